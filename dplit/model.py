@@ -1,0 +1,187 @@
+"""GPT2Classifier: a GPT-2 sequence classifier whose answer is read at the last real token."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+
+Batch = dict[str, Tensor]
+
+
+class GPT2Classifier(LightningModule):
+    """GPT-2 classifier scoring label words through the LM head (or a linear head) at the last real token.
+
+    Args:
+        pretrained: hub name (``"gpt2"``, ``"distilgpt2"``) or local folder with GPT-2 weights.
+        config: keyword arguments of ``transformers.GPT2Config`` for a randomly initialised backbone
+            (tests, quickstart). Set exactly one of ``pretrained`` and ``config``.
+        embeddings: the :class:`~dplit.embeddings.EmbeddingPolicy` (default: untied, copied from wte).
+        head: ``"label_words"`` scores the task's label-word logits of the LM head; ``"linear"`` adds a
+            d×K score layer (the LM head is then unused and frozen).
+        label_word_ids: token id of each class's label word, in class order (linked from the data).
+        num_classes: number of classes K for the linear head when no label words are given.
+        vocab_size: tokenizer size; sets the vocabulary of a config-built backbone, checked for a pretrained one.
+        task: task name; QQP also reports F1.
+        dropout: overrides GPT-2's dropout probabilities (``None`` keeps the checkpoint's).
+        freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``.
+        attn_implementation: transformers attention kernel (``"eager"`` or ``"sdpa"``).
+        lr: AdamW peak learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: optimizer steps of linear warm-up before the linear decay to zero.
+        lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
+    """
+
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        config: dict[str, Any] | None = None,
+        embeddings: EmbeddingPolicy | None = None,
+        head: Literal["label_words", "linear"] = "label_words",
+        label_word_ids: list[int] | None = None,
+        num_classes: int | None = None,
+        vocab_size: int | None = None,
+        task: str | None = None,
+        dropout: float | None = 0.0,
+        freeze: list[str] | None = None,
+        attn_implementation: Literal["eager", "sdpa"] = "sdpa",
+        lr: float = 5e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        lr_schedule: Literal["linear", "constant"] = "linear",
+    ) -> None:
+        super().__init__()
+        self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
+        self.save_hyperparameters()
+        self.backbone = _build_backbone(pretrained, config, vocab_size, dropout, attn_implementation)
+        self.embeddings.apply(self.backbone)
+        self._label_word_ids = _check_label_words(head, label_word_ids, self.backbone.config.vocab_size)
+        classes = len(label_word_ids) if label_word_ids else num_classes
+        if not classes or classes < 2:
+            raise ValueError("model.num_classes (or model.label_word_ids) must give at least two classes")
+        self.register_buffer("label_word_ids", torch.tensor(label_word_ids or [], dtype=torch.long), persistent=False)
+        self.score = nn.Linear(self.backbone.config.n_embd, classes, bias=False) if head == "linear" else None
+        if head == "linear" and self.backbone.lm_head.weight is not self.backbone.transformer.wte.weight:
+            self.backbone.lm_head.weight.requires_grad_(False)
+        _freeze(self, freeze or [])
+        self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
+        self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Class logits [B, K] read at each sequence's last real token (left or right padding)."""
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: same ids for either padding side
+        hidden = self.backbone.transformer(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+        ).last_hidden_state  # [B, T, d]
+        steps = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = (attention_mask * steps).argmax(-1)  # [B]: index of the last real token
+        h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, d]
+        if self.score is not None:
+            return self.score(h)  # [B, K]
+        return self.backbone.lm_head(h)[:, self.label_word_ids]  # [B, V] -> [B, K]
+
+    def per_example_loss(self, batch: Batch) -> Tensor:
+        """Cross-entropy of each example [B]; example i's loss depends on example i only."""
+        logits = self(batch["input_ids"], batch["attention_mask"])
+        return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """Non-private step (DPStrategy replaces it with clipped, noisy micro-batches)."""
+        loss = self.per_example_loss(batch).mean()
+        self.log("train/loss", loss, batch_size=batch["labels"].shape[0])
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        """Log ``val/loss``, ``val/acc`` (and ``val/f1`` for QQP)."""
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        """Log ``test/loss``, ``test/acc`` (and ``test/f1`` for QQP)."""
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: Batch, stage: str) -> None:
+        logits = self(batch["input_ids"], batch["attention_mask"]).float()
+        labels = batch["labels"]
+        size = labels.shape[0]
+        self.log(f"{stage}/loss", F.cross_entropy(logits, labels), batch_size=size, sync_dist=True)
+        self.val_acc(logits, labels)
+        self.log(f"{stage}/acc", self.val_acc, batch_size=size, prog_bar=True)
+        if self.val_f1 is not None:
+            self.val_f1(logits, labels)
+            self.log(f"{stage}/f1", self.val_f1, batch_size=size)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with linear warm-up and (by default) linear decay to zero over the planned steps."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = hp.warmup_steps
+
+        def scale(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if hp.lr_schedule == "constant":
+                return 1.0
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _build_backbone(
+    pretrained: str | None,
+    config: dict[str, Any] | None,
+    vocab_size: int | None,
+    dropout: float | None,
+    attn_implementation: str,
+) -> GPT2LMHeadModel:
+    if (pretrained is None) == (config is None):
+        raise ValueError("set exactly one of model.pretrained (hub name or folder) and model.config (GPT2Config)")
+    overrides: dict[str, Any] = {}
+    if dropout is not None:
+        overrides.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    if pretrained is not None:
+        model = GPT2LMHeadModel.from_pretrained(pretrained, attn_implementation=attn_implementation, **overrides)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {vocab_size} tokens but {pretrained} has only {model.config.vocab_size} embeddings"
+            )
+        return model
+    settings = {**(config or {}), **overrides}
+    if vocab_size is not None:
+        settings["vocab_size"] = vocab_size
+    return GPT2LMHeadModel(GPT2Config(**settings, attn_implementation=attn_implementation))
+
+
+def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> list[int]:
+    if head == "linear":
+        return list(label_word_ids or [])
+    if not label_word_ids:
+        raise ValueError("model.head='label_words' needs model.label_word_ids (linked from data.label_word_ids)")
+    if len(set(label_word_ids)) != len(label_word_ids):
+        raise ValueError(f"model.label_word_ids must be distinct tokens, got {label_word_ids}")
+    outside = [i for i in label_word_ids if not 0 <= i < vocab_size]
+    if outside:
+        raise ValueError(f"model.label_word_ids {outside} are outside the vocabulary of size {vocab_size}")
+    return list(label_word_ids)
+
+
+def _freeze(module: nn.Module, prefixes: list[str]) -> None:
+    names = [name for name, _ in module.named_parameters()]
+    for prefix in prefixes:
+        matched = [n for n in names if n.startswith(prefix)]
+        if not matched:
+            raise ValueError(f"model.freeze: no parameter name starts with {prefix!r}")
+        for name, param in module.named_parameters():
+            if name in matched:
+                param.requires_grad_(False)
