@@ -1,0 +1,40 @@
+"""Training monitors: peak memory and throughput, logged to every logger (TensorBoard by default)."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA max allocated on a GPU, else the process' peak resident set size, in MiB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+class ResourceMonitor(Callback):
+    """Logs ``memory/peak_mb`` and ``perf/samples_per_sec`` (examples of the logical batch per second)."""
+
+    def __init__(self) -> None:
+        self._started = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._started = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        elapsed = time.perf_counter() - self._started
+        examples = batch["labels"].shape[0] if isinstance(batch, dict) and "labels" in batch else 0
+        pl_module.log("memory/peak_mb", peak_memory_mb(pl_module.device), on_step=True, batch_size=1)
+        pl_module.log("perf/samples_per_sec", examples / max(elapsed, 1e-9), on_step=True, batch_size=1)

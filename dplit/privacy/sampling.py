@@ -1,0 +1,52 @@
+"""Poisson sampling of logical batches: every example joins each batch independently with probability q."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class PoissonBatchSampler(Sampler[list[int]]):
+    """Yields ``steps`` logical batches; each example of this replica's shard is in a batch with probability q.
+
+    Under data parallelism the dataset is split into ``num_replicas`` disjoint shards (index ``rank``,
+    ``rank + num_replicas``, ...); every replica samples its own shard at the same rate, so the union
+    over replicas is a Poisson sample of the whole dataset at rate q. Batches may be empty.
+
+    Args:
+        dataset_size: number of examples N in the whole dataset.
+        sample_rate: the Poisson rate q (expected global batch size / N).
+        steps: batches per epoch.
+        num_replicas: number of data-parallel processes.
+        rank: this process' index among them.
+        seed: seed of this sampler's own generator (combined with ``rank``).
+    """
+
+    def __init__(
+        self,
+        *,
+        dataset_size: int,
+        sample_rate: float,
+        steps: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError("the training dataset is empty: nothing to sample")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        self._shard = torch.arange(rank, dataset_size, num_replicas)
+        self._sample_rate = sample_rate
+        self._steps = steps
+        self._generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self._steps):
+            chosen = torch.rand(len(self._shard), generator=self._generator) < self._sample_rate
+            yield self._shard[chosen].tolist()

@@ -1,0 +1,368 @@
+"""DPStrategy: Lightning's DDP strategy with DP-SGD in place of backward and the optimizer step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
+from dplit.privacy.engine import Batch, ClippingEngine, build_engine, trainable_parameters
+from dplit.privacy.sampling import PoissonBatchSampler
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "dplit_privacy"
+
+
+class DPStrategy(DDPStrategy):
+    """DP-SGD on one or many devices: per-example clipping, Poisson batches, noise once per logical batch.
+
+    One Lightning optimizer step is one DP step. The train loader yields Poisson-sampled logical batches
+    (expected size = the loader's ``batch_size``, across all devices); each is run in micro-batches of
+    at most ``max_physical_batch_size``; the clipped per-example gradients are summed (and all-reduced
+    once across devices), N(0, σ²C²) noise is added once, the sum is divided by the expected batch size,
+    and the optimizer steps. The accountant's ledger is saved in every checkpoint.
+
+    Args:
+        max_grad_norm: the per-example clipping bound C.
+        noise_multiplier: σ; give this or ``target_epsilon``, not both.
+        target_epsilon: calibrate σ so the planned steps spend exactly this ε (and never spend more).
+        target_delta: δ; default N^-1.1 for N training examples.
+        accountant: ``"prv"`` (default) or ``"rdp"``.
+        clipping: ``"ghost"`` (norms without per-example gradients, one backward) or ``"per_example"``
+            (materialised per-example gradients, the exact reference).
+        tied_norm: ``"exact"`` (cross term) or ``"bound"`` (‖G_1‖ + ‖G_2‖) for shared parameters (ghost only).
+        max_physical_batch_size: largest micro-batch run through the model at once.
+        seed: seed of the sampling and noise generators; default ``torch.initial_seed()``
+            (so ``seed_everything`` makes runs reproducible).
+        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
+    """
+
+    strategy_name = "dp"
+
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        accountant: Mechanism = "prv",
+        clipping: Literal["ghost", "per_example"] = "ghost",
+        tied_norm: Literal["exact", "bound"] = "exact",
+        max_physical_batch_size: int = 32,
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        _check_privacy_arguments(max_grad_norm, noise_multiplier, target_epsilon, target_delta)
+        if max_physical_batch_size < 1:
+            raise ValueError(f"DPStrategy.max_physical_batch_size must be ≥ 1, got {max_physical_batch_size}")
+        if clipping not in ("ghost", "per_example"):
+            raise ValueError(f"DPStrategy.clipping must be 'ghost' or 'per_example', got {clipping!r}")
+        self._max_grad_norm = float(max_grad_norm)
+        self._noise_multiplier = noise_multiplier
+        self._target_epsilon = target_epsilon
+        self._target_delta = target_delta
+        self._mechanism: Mechanism = accountant
+        self._clipping = clipping
+        self._tied_norm = tied_norm
+        self._max_physical_batch_size = max_physical_batch_size
+        self._seed = seed
+        self._engine: ClippingEngine | None = None
+        self._accountant: PrivacyAccountant | None = None
+        self._restored_ledger: dict[str, Any] | None = None
+        self._sample_rate: float | None = None
+        self._dataset_size: int | None = None
+        self._clipped_sums: dict[nn.Parameter, Tensor] = {}
+        self._noise_generator: torch.Generator | None = None
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """σ in use (calibrated from ``target_epsilon`` once training starts)."""
+        return self._noise_multiplier
+
+    @property
+    def accountant(self) -> PrivacyAccountant | None:
+        """The run's privacy ledger (``None`` before training starts)."""
+        return self._accountant
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The Poisson rate q = expected logical batch size / N."""
+        return self._sample_rate
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·N: the global logical batch size the noisy sum is divided by."""
+        assert self._sample_rate is not None and self._dataset_size is not None
+        return self._sample_rate * self._dataset_size
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        _check_trainer(trainer, self.precision_plugin)
+        module = self.lightning_module
+        if not callable(getattr(module, "per_example_loss", None)):
+            raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
+        if not module.automatic_optimization:
+            raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
+        super().setup(trainer)
+        options = {"tied_norm": self._tied_norm} if self._clipping == "ghost" else {}
+        self._engine = build_engine(self._clipping, module, max_grad_norm=self._max_grad_norm, **options)
+        seed = self._seed if self._seed is not None else torch.initial_seed()
+        self._noise_generator = torch.Generator(device=self.root_device).manual_seed(seed + 7919)
+
+    @override
+    def configure_ddp(self) -> None:
+        """No DDP wrapper (its hooks would all-reduce unclipped gradients): only broadcast rank 0's weights."""
+        if self.world_size > 1:
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Replace the training loader's sampler by Poisson sampling at rate q = batch_size / N."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
+            return dataloader
+        size = len(dataloader.dataset)  # type: ignore[arg-type]
+        batch_size = dataloader.batch_size
+        if size == 0:
+            raise ValueError("the training dataset is empty")
+        if batch_size is None or not 0 < batch_size <= size:
+            raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
+        self._dataset_size, self._sample_rate = size, batch_size / size
+        seed = self._seed if self._seed is not None else torch.initial_seed()
+        sampler = PoissonBatchSampler(
+            dataset_size=size,
+            sample_rate=self._sample_rate,
+            steps=max(1, round(size / batch_size)),
+            num_replicas=self.world_size,
+            rank=self.global_rank,
+            seed=seed,
+        )
+        return DataLoader(
+            dataloader.dataset,
+            batch_sampler=sampler,
+            collate_fn=dataloader.collate_fn,
+            num_workers=dataloader.num_workers,
+            pin_memory=dataloader.pin_memory,
+            persistent_workers=dataloader.persistent_workers,
+        )
+
+    @override
+    def on_train_start(self) -> None:
+        """Calibrate σ for the planned steps and open (or continue) the privacy ledger."""
+        super().on_train_start()
+        if self._sample_rate is None or self._dataset_size is None:
+            raise RuntimeError("DPStrategy did not see the training dataloader")
+        delta = self._target_delta or default_delta(self._dataset_size)
+        self._accountant = PrivacyAccountant(delta=delta, mechanism=self._mechanism)
+        if self._restored_ledger is not None:
+            self._accountant.load_state_dict(self._restored_ledger["accountant"])
+        if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
+            restored = self._restored_ledger["noise_multiplier"] if self._restored_ledger else None
+            self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
+        rank_zero_info(
+            f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self._max_grad_norm}, q={self._sample_rate:.3g}, "
+            f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
+            f"steps so far {self._accountant.steps}"
+        )
+
+    def _calibrate(self, delta: float) -> float:
+        planned = self.lightning_module.trainer.estimated_stepping_batches
+        if not math.isfinite(planned):
+            raise ValueError("DPStrategy.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
+        assert self._target_epsilon is not None and self._sample_rate is not None
+        return calibrate_noise_multiplier(
+            target_epsilon=self._target_epsilon,
+            delta=delta,
+            sample_rate=self._sample_rate,
+            steps=int(planned),
+            mechanism=self._mechanism,
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
+        """Clip every example of the logical batch, micro-batch by micro-batch; keep the clipped sum."""
+        batch: Batch = args[0]
+        module = self.lightning_module
+        params = trainable_parameters(module)
+        for param in params.values():
+            param.grad = None
+        losses, norms = [], []
+        with self.precision_plugin.train_step_context():
+            for micro_batch in _split(batch, self._max_physical_batch_size):
+                assert self._engine is not None
+                stats = self._engine.accumulate(module.per_example_loss, micro_batch)
+                losses.append(stats.losses)
+                norms.append(stats.norms)
+        self._clipped_sums = {p: p.grad for p in params.values() if p.grad is not None}
+        for param in params.values():
+            param.grad = None
+        return self._log_batch(module, losses, norms)
+
+    def _log_batch(self, module: LightningModule, losses: list[Tensor], norms: list[Tensor]) -> Tensor:
+        if not losses:
+            return torch.zeros((), device=self.root_device)
+        loss, norm = torch.cat(losses).float(), torch.cat(norms).float()
+        size = loss.shape[0]
+        module.log("train/loss", loss.mean(), batch_size=size, prog_bar=True)
+        module.log("dp/clip_fraction", (norm > self._max_grad_norm).float().mean(), batch_size=size)
+        module.log("dp/grad_norm", norm.mean(), batch_size=size)
+        return loss.mean()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """No-op: the clipping engine already ran the backward pass inside ``training_step``."""
+        return closure_loss
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: LightningModule | nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run the clipping closure, privatise the summed gradient, then let the optimizer step."""
+
+        def private_closure() -> Any:
+            result = closure()
+            self._privatize(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, private_closure, model, **kwargs)
+
+    def _privatize(self, optimizer: Optimizer) -> None:
+        """All-reduce the clipped sums once, add N(0, σ²C²) once, divide by the expected batch size."""
+        assert self._accountant is not None and self._noise_multiplier is not None
+        sigma, rate = self._noise_multiplier, self._sample_rate
+        epsilon = self._accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9):
+            self._refuse_step(params, epsilon)
+            return
+        sums = [self._clipped_sums.get(p, torch.zeros_like(p)) for p in params]
+        self._clipped_sums = {}
+        flat = torch.cat([s.reshape(-1).float() for s in sums])  # [P]: one buffer, one all-reduce
+        if self.global_rank == 0 and sigma > 0:
+            flat += torch.normal(
+                0.0, sigma * self._max_grad_norm, flat.shape, generator=self._noise_generator, device=flat.device
+            )
+        if self.world_size > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.expected_batch_size
+        for param, chunk in zip(params, flat.split([p.numel() for p in params])):
+            param.grad = chunk.view_as(param).to(param.dtype)
+        self._accountant.step(noise_multiplier=sigma, sample_rate=rate)
+        self._log_privacy(epsilon)
+
+    def _refuse_step(self, params: list[nn.Parameter], epsilon: float) -> None:
+        for param in params:
+            param.grad = None
+        self._clipped_sums = {}
+        self.lightning_module.trainer.should_stop = True
+        rank_zero_info(
+            f"DP-SGD: stopping before step {self._accountant.steps + 1}: it would spend ε={epsilon:.4f} "
+            f"> target_epsilon={self._target_epsilon}"
+        )
+
+    def _log_privacy(self, epsilon: float) -> None:
+        module = self.lightning_module
+        module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        module.log("privacy/noise_multiplier", float(self._noise_multiplier), on_step=True, batch_size=1)
+        module.log("privacy/steps", float(self._accountant.steps), on_step=True, batch_size=1)
+        if self.is_global_zero:
+            self._write_ledger(epsilon)
+
+    def _write_ledger(self, epsilon: float) -> None:
+        """Keep ``privacy_ledger.json`` in the log folder current (atomic replace), for audit and crashes."""
+        folder = self.lightning_module.trainer.log_dir
+        if folder is None:
+            return
+        path = Path(folder) / "privacy_ledger.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps({**self._ledger_state(), "epsilon": epsilon}, indent=1))
+        os.replace(temporary, path)
+
+    def _ledger_state(self) -> dict[str, Any]:
+        assert self._accountant is not None
+        return {
+            "accountant": self._accountant.state_dict(),
+            "noise_multiplier": self._noise_multiplier,
+            "max_grad_norm": self._max_grad_norm,
+            "sample_rate": self._sample_rate,
+            "dataset_size": self._dataset_size,
+            "target_epsilon": self._target_epsilon,
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Save the checkpoint with the privacy ledger inside."""
+        if self._accountant is not None:
+            checkpoint[CHECKPOINT_KEY] = self._ledger_state()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load a checkpoint and keep its privacy ledger, so a resumed run continues its ε."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        if CHECKPOINT_KEY in checkpoint:
+            self._restored_ledger = checkpoint[CHECKPOINT_KEY]
+        elif self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
+            raise ValueError(f"{checkpoint_path} has no privacy ledger: it was not saved by DPStrategy")
+        return checkpoint
+
+
+def _check_privacy_arguments(
+    max_grad_norm: float, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float | None
+) -> None:
+    if not max_grad_norm > 0:
+        raise ValueError(f"DPStrategy.max_grad_norm must be > 0, got {max_grad_norm}")
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("set exactly one of DPStrategy.noise_multiplier and DPStrategy.target_epsilon")
+    if noise_multiplier is not None and noise_multiplier < 0:
+        raise ValueError(f"DPStrategy.noise_multiplier must be ≥ 0, got {noise_multiplier}")
+    if target_delta is not None and not 0 < target_delta < 1:
+        raise ValueError(f"DPStrategy.target_delta must be in (0, 1), got {target_delta}")
+
+
+def _check_trainer(trainer: Trainer, precision: object) -> None:
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            "trainer.gradient_clip_val must be unset with DPStrategy: it clips per example "
+            "(DPStrategy.max_grad_norm); clipping the noisy batch gradient again is not DP-SGD"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            "trainer.accumulate_grad_batches must be 1 with DPStrategy: raise data.batch_size for larger "
+            "logical batches and DPStrategy.max_physical_batch_size bounds memory"
+        )
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise ValueError("trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'")
+
+
+def _split(batch: Batch, size: int) -> Iterator[Batch]:
+    """Micro-batches of at most ``size`` examples (none for an empty batch)."""
+    total = next(iter(batch.values())).shape[0]
+    for start in range(0, total, size):
+        yield {key: value[start : start + size] for key, value in batch.items()}
