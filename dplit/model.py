@@ -32,7 +32,8 @@ class GPT2Classifier(LightningModule):
         task: task name; QQP also reports F1.
         dropout: overrides GPT-2's dropout probabilities (``None`` keeps the checkpoint's).
         freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``.
-        attn_implementation: transformers attention kernel (``"eager"`` or ``"sdpa"``).
+        attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
+            engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
         lr: AdamW peak learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
@@ -52,7 +53,7 @@ class GPT2Classifier(LightningModule):
         task: str | None = None,
         dropout: float | None = 0.0,
         freeze: list[str] | None = None,
-        attn_implementation: Literal["eager", "sdpa"] = "sdpa",
+        attn_implementation: Literal["eager", "sdpa"] = "eager",
         lr: float = 5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -61,7 +62,7 @@ class GPT2Classifier(LightningModule):
     ) -> None:
         super().__init__()
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
         self.backbone = _build_backbone(pretrained, config, vocab_size, dropout, attn_implementation)
         self.embeddings.apply(self.backbone)
         self._label_word_ids = _check_label_words(head, label_word_ids, self.backbone.config.vocab_size)
@@ -75,6 +76,11 @@ class GPT2Classifier(LightningModule):
         _freeze(self, freeze or [])
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
+
+    def on_fit_start(self) -> None:
+        """Record the embedding policy (e.g. ``UntiedEmbeddings(init='copy')``) as a hyperparameter."""
+        for logger in self.loggers:
+            logger.log_hyperparams({"embedding_policy": repr(self.embeddings)})
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Class logits [B, K] read at each sequence's last real token (left or right padding)."""
@@ -160,6 +166,9 @@ def _build_backbone(
     settings = {**(config or {}), **overrides}
     if vocab_size is not None:
         settings["vocab_size"] = vocab_size
+    last_token = settings.get("vocab_size", GPT2Config().vocab_size) - 1
+    settings.setdefault("bos_token_id", last_token)
+    settings.setdefault("eos_token_id", last_token)
     return GPT2LMHeadModel(GPT2Config(**settings, attn_implementation=attn_implementation))
 
 

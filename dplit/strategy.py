@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
-from dplit.privacy.engine import Batch, ClippingEngine, build_engine, trainable_parameters
+from dplit.privacy.engine import Batch, ClippingEngine, at_least_float32, build_engine, trainable_parameters
 from dplit.privacy.sampling import PoissonBatchSampler
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class DPStrategy(DDPStrategy):
             return
         sums = [self._clipped_sums.get(p, torch.zeros_like(p)) for p in params]
         self._clipped_sums = {}
-        flat = torch.cat([s.reshape(-1).float() for s in sums])  # [P]: one buffer, one all-reduce
+        flat = torch.cat([at_least_float32(s).reshape(-1) for s in sums])  # [P]: one buffer, one all-reduce
         if self.global_rank == 0 and sigma > 0:
             flat += torch.normal(
                 0.0, sigma * self._max_grad_norm, flat.shape, generator=self._noise_generator, device=flat.device

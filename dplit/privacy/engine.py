@@ -28,6 +28,11 @@ def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
+def at_least_float32(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 if it is a lower precision (bf16 norms and sums are kept in fp32), else unchanged."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
     """Trainable parameters by name; a parameter shared by several modules appears once."""
     return {name: p for name, p in module.named_parameters() if p.requires_grad}
@@ -98,10 +103,18 @@ class PerExampleEngine(ClippingEngine):
             loss = functional_call(wrapper, params, (one,))[0]
             return loss, loss.detach()
 
-        per_example_grads, losses = vmap(
-            grad(example_loss, has_aux=True), in_dims=(None, 0), randomness="different"
-        )(params, dict(batch))
-        squared = [g.flatten(1).float().pow(2).sum(1) for g in per_example_grads.values()]  # each [B]
+        try:
+            per_example_grads, losses = vmap(
+                grad(example_loss, has_aux=True), in_dims=(None, 0), randomness="different"
+            )(params, dict(batch))
+        except RuntimeError as error:
+            if "vmap" not in str(error):
+                raise
+            raise RuntimeError(
+                "the per_example engine traces the model with torch.func.vmap, which failed on a data-dependent "
+                "branch (e.g. transformers' sdpa attention mask): use attn_implementation='eager' or clipping='ghost'"
+            ) from error
+        squared = [at_least_float32(g).flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B]
         norms = torch.stack(squared).sum(0).sqrt()
         factors = clip_factors(norms, self._max_grad_norm)
         for name, param in trainable_parameters(self._module).items():

@@ -1,0 +1,254 @@
+"""Ghost clipping with book-keeping: exact per-example norms and the clipped sum from ONE backward pass.
+
+During :meth:`GhostEngine.accumulate` every covered module (``nn.Linear``, HF ``Conv1D``, ``nn.Embedding``,
+``nn.LayerNorm``) that owns a trainable parameter keeps its input and, through a tensor hook on its output,
+the gradient of that output. The trainable parameters are switched to ``requires_grad=False`` for the pass,
+so autograd computes activation gradients only. From each call's (input, output gradient) the layer rules
+of :mod:`dplit.privacy.norms` give the per-example gradient in factorised form; :mod:`dplit.privacy.tied`
+turns a parameter's uses (one, or several for tied weights and reused modules) into exact per-example
+norms; and the clipped sum Σ_i c_i G_i is formed per use with one matmul or ``index_add_`` (Bu et al. 2023).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dplit.privacy.engine import (
+    Batch,
+    ClippingEngine,
+    ClipStats,
+    PerExampleLoss,
+    add_to_grad,
+    clip_factors,
+    trainable_parameters,
+)
+from dplit.privacy.norms import NORM_RULES, GradientUse, NormRule, weighted_sum
+from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, TiedNorm, parameter_squared_norm
+
+
+@dataclass
+class ModuleCall:
+    """One call of a covered module: its input and, after the backward pass, its output gradient."""
+
+    name: str
+    module: nn.Module
+    rule: NormRule
+    activation: Tensor
+    output_grad: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Which covered module owns each trainable parameter.
+
+    Attributes:
+        parameters: trainable parameters by ``id``, with their names.
+        owners: by parameter ``id``, the covered modules allowed to use it.
+        modules: covered modules owning at least one trainable parameter, by ``id``, with name and rule.
+    """
+
+    parameters: dict[int, tuple[str, nn.Parameter]]
+    owners: dict[int, ParameterOwner]
+    modules: dict[int, tuple[str, nn.Module, NormRule]]
+
+
+class GhostEngine(ClippingEngine):
+    """Per-example clipping without per-example gradients: one forward, one backward, exact norms.
+
+    Every trainable parameter must belong to a module type with a rule in :mod:`dplit.privacy.norms` and
+    be used only through the modules that own it (a weight shared by several covered modules, such as
+    GPT-2's tied embedding and LM head, is exact through cross terms). Anything else is refused with a
+    ``ValueError`` naming the parameter, by :meth:`validate` and by every :meth:`accumulate`.
+
+    Assumes covered modules see batch-first inputs (dim 0 is the example; checked against the batch size).
+
+    Args:
+        module: the model whose trainable parameters are privatised.
+        max_grad_norm: the clipping bound C.
+        tied_norm: for a parameter used more than once, ``"exact"`` (cross terms) or ``"bound"``
+            (Σ of per-use norms: sound, over-clips).
+        rules: norm rules by exact module type (default: :data:`dplit.privacy.norms.NORM_RULES`).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        max_grad_norm: float,
+        tied_norm: TiedNorm = "exact",
+        rules: Mapping[type[nn.Module], NormRule] | None = None,
+    ) -> None:
+        super().__init__(module, max_grad_norm=max_grad_norm)
+        if tied_norm not in ("exact", "bound"):
+            raise ValueError(f"tied_norm must be 'exact' or 'bound', got {tied_norm!r}")
+        self._tied_norm: TiedNorm = tied_norm
+        self._rules = dict(NORM_RULES if rules is None else rules)
+
+    def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
+        """Refuse (``ValueError`` naming it) any trainable parameter ghost clipping cannot clip exactly.
+
+        Runs one forward under ``torch.no_grad`` watching every torch call.
+        """
+        coverage = self.coverage()
+        with torch.no_grad():
+            self._forward(loss_fn, batch, coverage)
+
+    def coverage(self) -> Coverage:
+        """Map trainable parameters to the covered modules owning them; refuse any parameter without a rule."""
+        parameters = {id(p): (name, p) for name, p in trainable_parameters(self._module).items()}
+        owning: dict[int, set[int]] = {}
+        modules: dict[int, tuple[str, nn.Module, NormRule]] = {}
+        for module_name, module in self._module.named_modules():
+            owned = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) in parameters]
+            if not owned:
+                continue
+            rule = self._rule_for(module_name, module, [(parameters[id(p)][0], name) for name, p in owned])
+            modules[id(module)] = (module_name, module, rule)
+            for _, param in owned:
+                owning.setdefault(id(param), set()).add(id(module))
+        owners = {key: ParameterOwner(parameters[key][0], frozenset(ids)) for key, ids in owning.items()}
+        return Coverage(parameters, owners, modules)
+
+    def _rule_for(self, module_name: str, module: nn.Module, owned: list[tuple[str, str]]) -> NormRule:
+        """The rule covering ``owned`` (full name, attribute name) parameters of ``module``, or refuse."""
+        kind = type(module).__name__
+        rule = self._rules.get(type(module))
+        for full_name, attribute in owned:
+            if rule is None or attribute not in rule.parameter_names:
+                raise ValueError(
+                    f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}, "
+                    f"which has no ghost clipping rule for it; freeze it, use a supported layer (Linear, "
+                    f"Conv1D, Embedding, LayerNorm), register a rule, or use the per_example engine"
+                )
+        reason = rule.refusal(module)
+        if reason is not None:
+            raise ValueError(f"trainable parameter {owned[0][0]!r} ({module_name!r}, {kind}): {reason}")
+        return rule
+
+    def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
+        """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass."""
+        coverage = self.coverage()
+        dtype = _norm_dtype(p for _, p in coverage.parameters.values())
+        with torch.enable_grad(), _weight_gradients_off([p for _, p in coverage.parameters.values()]):
+            losses, calls = self._forward(loss_fn, batch, coverage)
+            if losses.requires_grad and losses.numel() > 0:
+                losses.sum().backward()
+        if losses.numel() == 0:  # an empty (Poisson) micro-batch: nothing to clip
+            calls = []
+        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+            uses = _collect_uses(calls, coverage, dtype)
+            squared = losses.new_zeros(losses.shape[0], dtype=dtype)
+            for parameter_uses in uses.values():
+                squared = squared + parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)  # [B]
+            norms = squared.sqrt()
+            factors = clip_factors(norms, self.max_grad_norm)
+            for key, (_, param) in coverage.parameters.items():
+                add_to_grad(param, _clipped_sum(uses.get(key, []), factors, param))
+        return ClipStats(losses=losses.detach(), norms=norms)
+
+    def _forward(self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage) -> tuple[Tensor, list[ModuleCall]]:
+        """Run ``loss_fn`` with covered modules recorded and every parameter use watched; check what ran."""
+        names = {key: name for key, (name, _, _) in coverage.modules.items()}
+        monitor = ParameterUseMonitor(coverage.owners, names)
+        calls: list[ModuleCall] = []
+        with ExitStack() as hooks:
+            for name, module, rule in coverage.modules.values():
+                handles = (
+                    module.register_forward_pre_hook(monitor.enter),
+                    module.register_forward_hook(monitor.exit, always_call=True),
+                    module.register_forward_hook(partial(_record_call, calls, name, rule), with_kwargs=True),
+                )
+                for handle in handles:
+                    hooks.callback(handle.remove)
+            with monitor:
+                losses = loss_fn(batch)
+        if monitor.violations:
+            raise ValueError("; ".join(monitor.violations))
+        _check_batch_dims(losses, calls)
+        return losses, calls
+
+
+def _record_call(
+    calls: list[ModuleCall],
+    name: str,
+    rule: NormRule,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+) -> Tensor | None:
+    """Forward hook: keep the input; make the output carry a gradient we capture (a fresh leaf if needed)."""
+    activation = args[0] if args else next(iter(kwargs.values()))
+    call = ModuleCall(name, module, rule, activation.detach())
+    calls.append(call)
+    if not torch.is_grad_enabled():
+        return None
+    if not isinstance(output, Tensor):
+        raise ValueError(f"{name!r} ({type(module).__name__}) returned {type(output).__name__}, not a Tensor")
+    if not output.requires_grad:
+        output = output.detach().requires_grad_()
+    output.register_hook(partial(_store_output_grad, call))
+    return output
+
+
+def _store_output_grad(call: ModuleCall, grad: Tensor) -> None:
+    """Tensor hook: the gradient of the loss sum with respect to a covered module's output."""
+    call.output_grad = grad.detach()
+
+
+def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
+    """Refuse per-batch (not per-example) losses and covered calls whose dim 0 is not the example."""
+    if losses.dim() != 1:
+        raise ValueError(f"loss_fn must return one loss per example, shape [B]; got shape {tuple(losses.shape)}")
+    for call in calls:
+        if call.activation.dim() == 0 or call.activation.shape[0] != losses.shape[0]:
+            raise ValueError(
+                f"{call.name!r} ({type(call.module).__name__}) received input of shape "
+                f"{tuple(call.activation.shape)} for a batch of {losses.shape[0]} examples: ghost clipping needs "
+                f"dim 0 to be the example (e.g. pass GPT-2 position_ids of shape [B, T], not [1, T])"
+            )
+
+
+def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtype) -> dict[int, list[GradientUse]]:
+    """Each trainable parameter's per-example gradient uses (by parameter ``id``) from the recorded calls."""
+    uses: dict[int, list[GradientUse]] = {}
+    for call in calls:
+        if call.output_grad is None:  # the output did not reach the loss: this call contributes nothing
+            continue
+        activation = call.activation.to(dtype) if call.activation.is_floating_point() else call.activation
+        for name, use in call.rule.gradients(call.module, activation, call.output_grad.to(dtype)).items():
+            param = getattr(call.module, name, None)
+            if isinstance(param, nn.Parameter) and id(param) in coverage.parameters:
+                uses.setdefault(id(param), []).append(use)
+    return uses
+
+
+def _clipped_sum(uses: list[GradientUse], factors: Tensor, param: nn.Parameter) -> Tensor:
+    """Σ_i c_i G_i over all of a parameter's uses, in its shape (zeros when it was not used)."""
+    if not uses:
+        return torch.zeros_like(param, dtype=factors.dtype)
+    return torch.stack([weighted_sum(use, factors).reshape(param.shape) for use in uses]).sum(0)
+
+
+def _norm_dtype(parameters: Iterator[nn.Parameter]) -> torch.dtype:
+    """float64 when any trainable parameter is float64, else float32 (also for bf16/fp16 weights)."""
+    return torch.float64 if any(p.dtype == torch.float64 for p in parameters) else torch.float32
+
+
+@contextmanager
+def _weight_gradients_off(parameters: list[nn.Parameter]) -> Iterator[None]:
+    """Temporarily ``requires_grad=False`` so autograd skips weight gradients (the engine forms them)."""
+    for param in parameters:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in parameters:
+            param.requires_grad_(True)

@@ -1,0 +1,160 @@
+"""Per-example gradients of one parameter use, kept factorised, and the algebra on them.
+
+One *use* of a parameter W of shape [r, c] in a forward pass gives example i the gradient
+G_i = Σ_t u_{i,t} v_{i,t}ᵀ (a :class:`FactoredGradient`), or, for small parameters such as biases and
+LayerNorm scales, the materialised [B, *shape] gradient (an :class:`ExampleGradient`). A factor is either
+dense vectors [B, T, n] or one-hot rows given as indices [B, T] (an embedding lookup), so that nothing of
+size vocabulary × width is ever built per example.
+
+For two uses of the same parameter ⟨G_1, G_2⟩_i = Σ_{t,s} ⟨u1_t, u2_s⟩⟨v1_t, v2_s⟩: the elementwise product
+of the two factor Grams, summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DenseFactor:
+    """Per-position vectors of one gradient factor: ``values`` [B, T, n]."""
+
+    values: Tensor
+
+    @property
+    def width(self) -> int:
+        """The vector size n."""
+        return self.values.shape[-1]
+
+
+@dataclass(frozen=True)
+class IndexFactor:
+    """Per-position one-hot vectors of size ``width``, given by their hot index: ``indices`` [B, T]."""
+
+    indices: Tensor
+    width: int
+
+
+Factor = DenseFactor | IndexFactor
+
+
+@dataclass(frozen=True)
+class FactoredGradient:
+    """Example i's gradient of one use, G_i = Σ_t left_{i,t} right_{i,t}ᵀ, in the parameter's [r, c] layout."""
+
+    left: Factor
+    right: Factor
+
+    @property
+    def positions(self) -> int:
+        """The number of positions T summed over."""
+        return _positions(self.left)
+
+
+@dataclass(frozen=True)
+class ExampleGradient:
+    """Example i's gradient of one use, materialised: ``values`` [B, *parameter.shape]."""
+
+    values: Tensor
+
+
+GradientUse = FactoredGradient | ExampleGradient
+
+
+def _positions(factor: Factor) -> int:
+    """T of a factor."""
+    return factor.values.shape[1] if isinstance(factor, DenseFactor) else factor.indices.shape[1]
+
+
+def _as_dense(factor: Factor, dtype: torch.dtype) -> Tensor:
+    """The factor's vectors [B, T, n], building one-hot rows for an index factor (only on rare paths)."""
+    if isinstance(factor, DenseFactor):
+        return factor.values
+    return torch.nn.functional.one_hot(factor.indices, factor.width).to(dtype)  # [B, T] -> [B, T, n]
+
+
+def _dtype_of(*factors: Factor) -> torch.dtype:
+    """The floating dtype of the dense factors among ``factors``."""
+    return next(f.values.dtype for f in factors if isinstance(f, DenseFactor))
+
+
+def factor_gram(first: Factor, second: Factor, dtype: torch.dtype) -> Tensor:
+    """Per-example Gram [B, T1, T2] of two factors: entry (t, s) is ⟨first_t, second_s⟩."""
+    if isinstance(first, DenseFactor) and isinstance(second, DenseFactor):
+        return torch.bmm(first.values, second.values.transpose(1, 2))  # [B, T1, n] x [B, n, T2] -> [B, T1, T2]
+    if isinstance(first, IndexFactor) and isinstance(second, IndexFactor):
+        equal = first.indices[:, :, None] == second.indices[:, None, :]  # [B, T1, 1] vs [B, 1, T2] -> [B, T1, T2]
+        return equal.to(dtype)
+    if isinstance(first, IndexFactor):
+        return factor_gram(second, first, dtype).transpose(1, 2)
+    size, hot = second.indices.shape
+    picks = second.indices[:, None, :].expand(size, first.values.shape[1], hot)  # [B, T1, T2]
+    return first.values.gather(2, picks)  # first_t[x_s]: [B, T1, n] -> [B, T1, T2]
+
+
+def materialise(use: GradientUse) -> Tensor:
+    """The per-example gradients [B, *shape] of one use."""
+    if isinstance(use, ExampleGradient):
+        return use.values
+    dtype = _dtype_of(use.left, use.right)
+    left, right = _as_dense(use.left, dtype), _as_dense(use.right, dtype)
+    return torch.einsum("btr,btc->brc", left, right)  # Σ_t u_t v_tᵀ: [B, T, r], [B, T, c] -> [B, r, c]
+
+
+def prefers_materialising(use: FactoredGradient) -> bool:
+    """Whether building [B, r, c] is cheaper than the [B, T, T] Grams: dense factors and 2T² ≥ r·c."""
+    dense = isinstance(use.left, DenseFactor) and isinstance(use.right, DenseFactor)
+    return dense and 2 * use.positions**2 >= use.left.width * use.right.width
+
+
+def inner_product(first: GradientUse, second: GradientUse) -> Tensor:
+    """Per-example ⟨G_1, G_2⟩ [B] of two uses of the same parameter."""
+    if isinstance(first, FactoredGradient) and isinstance(second, FactoredGradient):
+        dtype = _dtype_of(first.left, first.right)
+        left = factor_gram(first.left, second.left, dtype)  # [B, T1, T2]
+        right = factor_gram(first.right, second.right, dtype)  # [B, T1, T2]
+        return (left * right).sum((1, 2))
+    return (materialise(first) * materialise(second)).flatten(1).sum(1)  # [B, *shape] -> [B]
+
+
+def squared_norm(use: GradientUse) -> Tensor:
+    """Per-example ‖G‖² [B] of one use, by Grams ("ghost") or materialising, whichever is cheaper."""
+    if isinstance(use, ExampleGradient) or prefers_materialising(use):
+        return materialise(use).flatten(1).pow(2).sum(1)  # [B, *shape] -> [B]
+    return inner_product(use, use)
+
+
+def concatenate(uses: list[FactoredGradient]) -> FactoredGradient:
+    """One use whose positions are all of ``uses``' (same factor kinds): Σ_k G_k as a single factorisation."""
+
+    def join(factors: list[Factor]) -> Factor:
+        if isinstance(factors[0], DenseFactor):
+            return DenseFactor(torch.cat([f.values for f in factors], dim=1))  # [B, ΣT_k, n]
+        return IndexFactor(torch.cat([f.indices for f in factors], dim=1), factors[0].width)  # [B, ΣT_k]
+
+    return FactoredGradient(join([u.left for u in uses]), join([u.right for u in uses]))
+
+
+def _scatter_rows(factor: IndexFactor, rows: Tensor) -> Tensor:
+    """Σ_{i,t} onehot(x_{i,t}) rows_{i,t}ᵀ [n, m] from ``rows`` [B, T, m]."""
+    total = rows.new_zeros(factor.width, rows.shape[-1])
+    return total.index_add_(0, factor.indices.reshape(-1), rows.reshape(-1, rows.shape[-1]))  # [B*T, m] -> [n, m]
+
+
+def weighted_sum(use: GradientUse, weights: Tensor) -> Tensor:
+    """Σ_i w_i G_i in the parameter's shape, without building any per-example gradient."""
+    if isinstance(use, ExampleGradient):
+        return torch.einsum("b,b...->...", weights, use.values)  # [B], [B, *shape] -> shape
+    left, right = use.left, use.right
+    if isinstance(left, DenseFactor) and isinstance(right, DenseFactor):
+        scaled = left.values * weights[:, None, None]  # [B, T, r]
+        return scaled.flatten(0, 1).T @ right.values.flatten(0, 1)  # [r, B*T] x [B*T, c] -> [r, c]
+    if isinstance(left, IndexFactor) and isinstance(right, DenseFactor):
+        return _scatter_rows(left, right.values * weights[:, None, None])  # [r, c]
+    if isinstance(left, DenseFactor) and isinstance(right, IndexFactor):
+        return _scatter_rows(right, left.values * weights[:, None, None]).T  # [c, r] -> [r, c]
+    rows = _as_dense(right, weights.dtype) * weights[:, None, None]  # [B, T, c]
+    return _scatter_rows(left, rows)

@@ -1,0 +1,153 @@
+"""Parameters used more than once in a forward: exact norms through cross terms, and detection of hidden uses.
+
+A parameter shared by several covered modules (GPT-2's ``lm_head.weight is transformer.wte.weight``) or a
+module called several times gives each example the gradient G = Σ_k G_k over its uses, so
+
+    ‖G‖² = Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩,
+
+with every cross term computed from the factors (design §3), never from a per-example V×d matrix. A use
+outside the module that owns the parameter (``F.linear(h, wte.weight)``) would be invisible to the
+per-layer rules, so :class:`ParameterUseMonitor` watches every torch call of a forward and reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from dplit.privacy.norms.factors import (
+    ExampleGradient,
+    FactoredGradient,
+    GradientUse,
+    concatenate,
+    inner_product,
+    squared_norm,
+)
+
+TiedNorm = Literal["exact", "bound"]
+
+
+def _kind(use: GradientUse) -> tuple[Any, ...]:
+    """Uses of the same kind can be joined into one: factored ones along positions, materialised ones summed."""
+    if not isinstance(use, FactoredGradient):
+        return ("example",)
+    return tuple((type(f), f.width) for f in (use.left, use.right))
+
+
+def _join(group: list[GradientUse]) -> GradientUse:
+    """One use equal to the sum of ``group``'s (all of one kind)."""
+    if len(group) == 1:
+        return group[0]
+    if isinstance(group[0], FactoredGradient):
+        return concatenate(group)
+    return ExampleGradient(torch.stack([use.values for use in group]).sum(0))  # [K, B, *shape] -> [B, *shape]
+
+
+def _joined(uses: Sequence[GradientUse]) -> list[GradientUse]:
+    """The uses with all uses of the same kind joined into one."""
+    groups: dict[tuple[Any, ...], list[GradientUse]] = {}
+    for use in uses:
+        groups.setdefault(_kind(use), []).append(use)
+    return [_join(group) for group in groups.values()]
+
+
+def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm = "exact") -> Tensor:
+    """Per-example ‖Σ_k G_k‖² [B] of one parameter over all its uses in a forward.
+
+    Args:
+        uses: the parameter's uses (at least one), all for the same batch.
+        tied_norm: ``"exact"`` includes every cross term ⟨G_k, G_l⟩; ``"bound"`` returns (Σ_k ‖G_k‖)², the
+            triangle-inequality bound, which can only over-clip.
+    """
+    if len(uses) == 1:
+        return squared_norm(uses[0])
+    if tied_norm == "bound":
+        return torch.stack([squared_norm(use).sqrt() for use in uses]).sum(0).square()
+    joined = _joined(uses)
+    total = sum(squared_norm(use) for use in joined)
+    for k, first in enumerate(joined):
+        for second in joined[k + 1 :]:
+            total = total + 2 * inner_product(first, second)
+    return total.clamp(min=0)
+
+
+@dataclass(frozen=True)
+class ParameterOwner:
+    """A trainable parameter's name and the covered modules (by ``id``) allowed to use it."""
+
+    name: str
+    modules: frozenset[int]
+
+
+_NO_GRADIENT_PATH = frozenset(
+    {torch.Tensor.detach, torch.Tensor.requires_grad_, torch.Tensor.data.__get__, torch.Tensor.grad.__get__}
+)
+"""Calls on a parameter that return a tensor through which no gradient reaches the parameter."""
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """The tensors inside nested tuples, lists and dicts."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class ParameterUseMonitor(TorchFunctionMode):
+    """Records every torch call that uses a watched parameter outside a covered module owning it.
+
+    Covered modules announce themselves with :meth:`enter` / :meth:`exit` (forward pre/post hooks). A call
+    is a *use* when it receives the parameter and returns a tensor; ``detach`` and friends are not uses.
+
+    Args:
+        owners: by parameter ``id``, its name and the covered modules that own it.
+        module_names: by module ``id``, the covered modules' names (for messages).
+    """
+
+    def __init__(self, owners: Mapping[int, ParameterOwner], module_names: Mapping[int, str]) -> None:
+        super().__init__()
+        self._owners = owners
+        self._module_names = module_names
+        self._stack: list[int] = []
+        self.violations: list[str] = []
+
+    def enter(self, module: nn.Module, *args: Any) -> None:
+        """Forward pre-hook: ``module`` starts running."""
+        self._stack.append(id(module))
+
+    def exit(self, module: nn.Module, *args: Any) -> None:
+        """Forward hook: ``module`` finished."""
+        self._stack.pop()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run ``func`` and note any watched parameter it used outside its owners."""
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _NO_GRADIENT_PATH or not any(True for _ in _tensors(result)):
+            return result
+        current = self._stack[-1] if self._stack else None
+        for tensor in _tensors((args, kwargs)):
+            owner = self._owners.get(id(tensor))
+            if owner is not None and current not in owner.modules:
+                self._note(owner, func, current)
+        return result
+
+    def _note(self, owner: ParameterOwner, func: Any, current: int | None) -> None:
+        """Record one violation (once per parameter)."""
+        if any(message.startswith(f"parameter {owner.name!r}") for message in self.violations):
+            return
+        where = f"inside {self._module_names[current]!r}" if current is not None else "outside its module"
+        self.violations.append(
+            f"parameter {owner.name!r} is used by {getattr(func, '__name__', func)} {where}: ghost clipping "
+            "only sees uses through the covered modules that own it, so its per-example norm would be "
+            "under-counted; call the owning module instead (e.g. lm_head(h), not F.linear(h, wte.weight))"
+        )

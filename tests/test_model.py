@@ -1,0 +1,98 @@
+"""GPT2Classifier and the embedding policies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
+from dplit.model import GPT2Classifier
+from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
+
+
+def make_model(**kwargs: object) -> GPT2Classifier:
+    torch.manual_seed(0)
+    settings = {"config": TINY_GPT2, "vocab_size": VOCAB, "label_word_ids": LABEL_WORDS, **kwargs}
+    return GPT2Classifier(**settings).double()
+
+
+def test_tied_is_one_parameter() -> None:
+    model = make_model(embeddings=TiedEmbeddings())
+    assert model.backbone.lm_head.weight is model.backbone.transformer.wte.weight
+    names = [name for name, _ in model.named_parameters()]
+    assert "backbone.lm_head.weight" not in names and "backbone.transformer.wte.weight" in names
+
+
+def test_untied_copy_starts_equal_then_moves_independently() -> None:
+    model = make_model(embeddings=UntiedEmbeddings(init="copy"))
+    wte, head = model.backbone.transformer.wte.weight, model.backbone.lm_head.weight
+    assert head is not wte and head.data_ptr() != wte.data_ptr()
+    assert torch.equal(head, wte)
+    batch = PadCollate()([RandomTokens(8)[i] for i in range(8)])
+    model.per_example_loss(batch).sum().backward()
+    with torch.no_grad():
+        for param in (wte, head):
+            param -= 0.1 * param.grad
+    assert not torch.equal(head, wte)
+    assert not torch.allclose(head.grad, wte.grad)
+
+
+def test_untied_random_differs_from_wte() -> None:
+    model = make_model(embeddings=UntiedEmbeddings(init="random"))
+    assert not torch.allclose(model.backbone.lm_head.weight, model.backbone.transformer.wte.weight)
+
+
+def test_untied_init_is_validated() -> None:
+    with pytest.raises(ValueError, match="init"):
+        UntiedEmbeddings(init="zeros")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("head", ["label_words", "linear"])
+def test_left_and_right_padding_give_the_same_logits(head: str) -> None:
+    model = make_model(head=head).eval()
+    examples = [RandomTokens(6)[i] for i in range(6)]
+    right, left = PadCollate("right")(examples), PadCollate("left")(examples)
+    assert not torch.equal(right["input_ids"], left["input_ids"])
+    logits_right = model(right["input_ids"], right["attention_mask"])
+    logits_left = model(left["input_ids"], left["attention_mask"])
+    assert logits_right.shape == (6, 2)
+    torch.testing.assert_close(logits_right, logits_left, rtol=1e-10, atol=1e-10)
+
+
+def test_label_word_logits_are_lm_head_logits_at_last_token() -> None:
+    model = make_model().eval()
+    ids = torch.tensor([[5, 9, 11]])
+    full = model.backbone(input_ids=ids).logits[0, -1]  # [V]: the LM's next-token logits
+    torch.testing.assert_close(model(ids, torch.ones_like(ids))[0], full[LABEL_WORDS])
+
+
+def test_linear_head_freezes_unused_untied_lm_head() -> None:
+    model = make_model(head="linear")
+    assert not model.backbone.lm_head.weight.requires_grad
+    assert model.score is not None and model.score.weight.shape == (2, TINY_GPT2["n_embd"])
+
+
+def test_freeze_by_prefix_and_unknown_prefix() -> None:
+    model = make_model(freeze=["backbone.transformer.wpe"])
+    assert not model.backbone.transformer.wpe.weight.requires_grad
+    with pytest.raises(ValueError, match="model.freeze"):
+        make_model(freeze=["nothing.here"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"config": None}, "exactly one of model.pretrained"),
+        ({"label_word_ids": None}, "model.label_word_ids"),
+        ({"label_word_ids": [3, 3]}, "distinct"),
+        ({"label_word_ids": [3, VOCAB + 5]}, "outside the vocabulary"),
+    ],
+)
+def test_bad_model_settings_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_model(**kwargs)
+
+
+def test_offline_pretrained_name_fails_loudly() -> None:
+    with pytest.raises(OSError):
+        GPT2Classifier(pretrained="/nonexistent/gpt2-folder", label_word_ids=LABEL_WORDS)
