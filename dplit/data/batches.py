@@ -1,0 +1,77 @@
+"""Tokenised examples as a map-style dataset, and the collate function that pads them into batches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, TypedDict
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+
+class Example(TypedDict):
+    """One tokenised example: prompt token ids and class index."""
+
+    input_ids: list[int]
+    label: int
+
+
+class TokenizedDataset(Dataset[Example]):
+    """Already tokenised prompts with their class indices.
+
+    Args:
+        input_ids: token ids of each prompt.
+        labels: class index of each example.
+    """
+
+    def __init__(self, input_ids: list[list[int]], labels: list[int]) -> None:
+        if len(input_ids) != len(labels):
+            raise ValueError(f"{len(input_ids)} prompts but {len(labels)} labels")
+        self.input_ids = input_ids
+        self.labels = labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> Example:
+        return Example(input_ids=self.input_ids[index], label=self.labels[index])
+
+
+class PadCollator:
+    """Pads a list of examples to the longest one (dynamic padding) on the chosen side.
+
+    An empty list (a Poisson-sampled batch may be empty) gives tensors with batch dimension 0:
+    ``input_ids`` and ``attention_mask`` of shape [0, 1], ``labels`` of shape [0].
+
+    Args:
+        pad_token_id: token id written at padded positions (their attention mask is 0).
+        padding_side: ``"right"`` pads after the prompt, ``"left"`` before it.
+    """
+
+    def __init__(self, pad_token_id: int, padding_side: Literal["right", "left"] = "right") -> None:
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"data.padding_side must be 'right' or 'left', got {padding_side!r}")
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+
+    def __call__(self, examples: Sequence[Example]) -> dict[str, Tensor]:
+        """Batch ``examples``.
+
+        Args:
+            examples: tokenised examples.
+
+        Returns:
+            ``input_ids`` LongTensor[B, T], ``attention_mask`` LongTensor[B, T] (1 = real token) and
+            ``labels`` LongTensor[B], T the longest prompt (at least 1).
+        """
+        width = max((len(example["input_ids"]) for example in examples), default=1)
+        input_ids = torch.full((len(examples), max(width, 1)), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, example in enumerate(examples):
+            length = len(example["input_ids"])
+            start = 0 if self.padding_side == "right" else input_ids.shape[1] - length
+            input_ids[row, start : start + length] = torch.tensor(example["input_ids"], dtype=torch.long)
+            attention_mask[row, start : start + length] = 1
+        labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

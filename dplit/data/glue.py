@@ -1,0 +1,191 @@
+"""GlueDataModule: GLUE SST-2 / QNLI / QQP (hub or local TSV) or the offline synthetic task, as prompts."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Literal
+
+import datasets
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from dplit.data.batches import PadCollator, TokenizedDataset
+from dplit.data.prompt import PromptTemplate
+from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split, read_glue_tsv
+from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
+from dplit.data.tasks import TaskSpec, get_task
+from dplit.data.tokenizer import label_word_ids, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+Split = Literal["train", "dev"]
+_HUB_SPLITS: dict[str, str] = {"train": "train", "dev": "validation"}
+
+
+class GlueDataModule(LightningDataModule):
+    """Prompt-style classification data for a causal LM: the answer is the label word after the prompt.
+
+    Each example becomes ``template`` filled with its texts (truncated to ``max_length`` tokens, the
+    template text never cut) and a class index; the model scores the label words at the last token.
+    Validation and test both use GLUE's dev split (GLUE's test split has no labels).
+
+    Args:
+        task: ``"sst2"``, ``"qnli"``, ``"qqp"`` or ``"synthetic"`` (built-in, offline, own tokenizer).
+        data_dir: folder with GLUE's ``train.tsv`` and ``dev.tsv`` for the task; ``None`` loads
+            ``nyu-mll/glue`` from the Hugging Face hub.
+        tokenizer: hub name or local folder of the tokenizer (ignored for ``synthetic``).
+        batch_size: expected logical training batch size (the DP strategy may Poisson-sample instead).
+        eval_batch_size: validation and test batch size.
+        max_length: longest prompt in tokens.
+        template: prompt format string over the task's text columns (default: the task's).
+        label_words: raw label string → single-token word (leading space for GPT-2); the class index of
+            a label is its position in the dict (default: the task's).
+        padding_side: pad batches on the right or the left.
+        num_workers: DataLoader worker processes.
+        max_train_examples: use only the first N training examples.
+        max_eval_examples: use only the first N dev examples.
+        synthetic_train_size: training examples of the synthetic task.
+        synthetic_val_size: dev examples of the synthetic task.
+        seed: seed of the synthetic task's data.
+    """
+
+    def __init__(
+        self,
+        task: str = "sst2",
+        data_dir: str | None = None,
+        tokenizer: str = "gpt2",
+        batch_size: int = 32,
+        eval_batch_size: int = 64,
+        max_length: int = 256,
+        template: str | None = None,
+        label_words: dict[str, str] | None = None,
+        padding_side: Literal["right", "left"] = "right",
+        num_workers: int = 0,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+        synthetic_train_size: int = 20_000,
+        synthetic_val_size: int = 1_000,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.spec: TaskSpec = get_task(task)
+        self.task = task
+        _check_counts(
+            batch_size=batch_size,
+            eval_batch_size=eval_batch_size,
+            max_length=max_length,
+            max_train_examples=max_train_examples,
+            max_eval_examples=max_eval_examples,
+            synthetic_train_size=synthetic_train_size,
+            synthetic_val_size=synthetic_val_size,
+        )
+        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.tokenizer: PreTrainedTokenizerBase = self._load_tokenizer(tokenizer, padding_side)
+        self.label_words = _resolve_label_words(self.spec, label_words)
+        self.label_word_ids: list[int] = label_word_ids(self.tokenizer, self.label_words)
+        self.num_classes: int = len(self.label_words)
+        self.vocab_size: int = len(self.tokenizer)
+        self.prompt = PromptTemplate(template or self.spec.template, self.spec.text_columns, self.tokenizer, max_length)
+        self.collate_fn = PadCollator(self.tokenizer.pad_token_id, padding_side)
+        self._class_index = {label: index for index, label in enumerate(self.label_words)}
+        self._datasets: dict[Split, TokenizedDataset] = {}
+
+    def prepare_data(self) -> None:
+        """Download the GLUE task from the hub once (only when ``data_dir`` is ``None``)."""
+        if self.task != "synthetic" and self.data_dir is None:
+            datasets.load_dataset(HUB_DATASET, self.task)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenise the splits the stage needs (each split once)."""
+        if stage in ("fit", None):
+            self.dataset("train")
+        self.dataset("dev")
+
+    def dataset(self, split: Split) -> TokenizedDataset:
+        """The tokenised ``"train"`` or ``"dev"`` split, read on first use.
+
+        Args:
+            split: ``"train"`` or ``"dev"``.
+
+        Returns:
+            The split as a map-style dataset of ``{"input_ids": list[int], "label": int}``.
+        """
+        if split not in self._datasets:
+            self._datasets[split] = self._tokenize(self._read(split))
+        return self._datasets[split]
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches of ``batch_size`` (the DP strategy may swap in Poisson sampling)."""
+        return self._loader("train", self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """GLUE dev batches, in order."""
+        return self._loader("dev", self.eval_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """GLUE dev batches, in order (GLUE's test split has no labels)."""
+        return self._loader("dev", self.eval_batch_size, shuffle=False)
+
+    def _loader(self, split: Split, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            self.dataset(split),
+            batch_size=batch_size,
+            shuffle=shuffle,
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+        )
+
+    def _load_tokenizer(self, name_or_path: str, padding_side: str) -> PreTrainedTokenizerBase:
+        if self.task == "synthetic":
+            log.debug("task synthetic builds its own tokenizer; data.tokenizer=%r is ignored", name_or_path)
+            tokenizer = build_synthetic_tokenizer()
+        else:
+            tokenizer = load_tokenizer(name_or_path)
+        tokenizer.padding_side = padding_side
+        return tokenizer
+
+    def _read(self, split: Split) -> TextSplit:
+        hp = self.hparams
+        limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
+        if self.task == "synthetic":
+            size = hp.synthetic_train_size if split == "train" else hp.synthetic_val_size
+            return make_synthetic_split(split, size if limit is None else min(size, limit), hp.seed)
+        if self.data_dir is not None:
+            return read_glue_tsv(self.data_dir / f"{split}.tsv", self.spec, limit)
+        return load_hub_split(self.spec, _HUB_SPLITS[split], limit)
+
+    def _tokenize(self, texts: TextSplit) -> TokenizedDataset:
+        encoded = self.prompt.encode(texts.texts)
+        labels = [self._class_index[label] for label in texts.labels]
+        longest = max(len(ids) for ids in encoded.input_ids)
+        rank_zero_info(
+            f"{self.task}: {len(labels)} examples from {texts.source}, longest prompt {longest} tokens, "
+            f"{encoded.num_truncated} truncated to data.max_length={self.prompt.max_length}"
+        )
+        return TokenizedDataset(encoded.input_ids, labels)
+
+
+def _resolve_label_words(spec: TaskSpec, label_words: dict[str, str] | None) -> dict[str, str]:
+    """The label words to use, keys as strings, checked to cover exactly the task's labels."""
+    if label_words is None:
+        return dict(spec.label_words)
+    words = {str(label): word for label, word in label_words.items()}
+    if set(words) != spec.labels:
+        raise ValueError(
+            f"data.label_words must have one word for each {spec.name} label {sorted(spec.labels)}, "
+            f"got keys {sorted(words)}"
+        )
+    return words
+
+
+def _check_counts(**counts: int | None) -> None:
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            raise ValueError(f"data.{name} must be a positive integer, got {value}")

@@ -1,0 +1,89 @@
+"""Loading the GPT-2 tokenizer (hub or local files), building word-level tokenizers, checking label words."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+END_OF_TEXT = "<|endoftext|>"
+UNKNOWN = "<unk>"
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a local folder or the Hugging Face hub, with a pad token set.
+
+    A folder holding GPT-2's ``vocab.json`` and ``merges.txt`` is loaded with
+    ``GPT2TokenizerFast.from_pretrained(folder)`` (``AutoTokenizer`` cannot read such a folder, and
+    ``GPT2TokenizerFast(vocab_file=..., merges_file=...)`` silently builds an empty tokenizer);
+    anything else goes to ``AutoTokenizer.from_pretrained``. A tokenizer without a pad token (GPT-2)
+    pads with its end-of-text token.
+
+    Args:
+        name_or_path: hub name (``"gpt2"``) or a local folder.
+
+    Returns:
+        The tokenizer.
+    """
+    folder = Path(name_or_path)
+    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+        tokenizer = GPT2TokenizerFast.from_pretrained(str(folder))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over a fixed vocabulary, split on whitespace.
+
+    Token 0 is ``<|endoftext|>`` (end of text and padding), token 1 is ``<unk>``, then ``words`` in order.
+    Whitespace only separates words and is dropped, so a word with a leading space (a label word such
+    as ``" good"``) is the same single token as the bare word.
+
+    Args:
+        words: the vocabulary's words, distinct and without whitespace.
+
+    Returns:
+        The tokenizer.
+    """
+    vocab = {word: index for index, word in enumerate([END_OF_TEXT, UNKNOWN, *words])}
+    if len(vocab) != len(words) + 2 or any(not word or word != word.strip() or " " in word for word in words):
+        raise ValueError("word-level vocabulary must be distinct words without whitespace")
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNKNOWN))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT, unk_token=UNKNOWN
+    )
+
+
+def label_word_ids(tokenizer: PreTrainedTokenizerBase, label_words: Mapping[str, str]) -> list[int]:
+    """The token id of each label word, in class order.
+
+    Args:
+        tokenizer: the task's tokenizer.
+        label_words: raw label string → label word.
+
+    Returns:
+        One token id per class.
+
+    Raises:
+        ValueError: naming ``data.label_words`` when a word is not exactly one token or two words share a token.
+    """
+    ids = []
+    for label, word in label_words.items():
+        tokens = tokenizer.encode(word, add_special_tokens=False)
+        if len(tokens) != 1:
+            pieces = tokenizer.convert_ids_to_tokens(tokens)
+            raise ValueError(
+                f"data.label_words: the word {word!r} for label {label!r} must be exactly one token, "
+                f"but the tokenizer splits it into {len(tokens)}: {pieces} (ids {tokens})"
+            )
+        ids.append(tokens[0])
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"data.label_words {dict(label_words)} must map to distinct tokens, got ids {ids}")
+    return ids

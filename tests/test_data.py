@@ -1,0 +1,481 @@
+"""Data package: GLUE TSV parsing, prompts and truncation, label words, errors, batching, synthetic task."""
+
+from __future__ import annotations
+
+import pickle
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import ByteLevelBPETokenizer
+from torch.utils.data import DataLoader, RandomSampler
+from transformers import PreTrainedTokenizerFast
+
+from dplit.data import GlueDataModule, load_tokenizer
+from dplit.data.batches import PadCollator
+from dplit.data.prompt import PromptTemplate, truncated_lengths
+from dplit.data.sources import read_glue_tsv
+from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic_tokenizer
+from dplit.data.tasks import QNLI, QQP, SST2, TASKS
+from dplit.data.tokenizer import build_word_tokenizer
+
+SST2_HEADER = "sentence\tlabel"
+QNLI_HEADER = "index\tquestion\tsentence\tlabel"
+QQP_HEADER = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate"
+
+QNLI_ROWS = [
+    "0\tWhat came into force after the new constitution was herald?\tAs of that day, the new constitution "
+    "heralding the Second Republic came into force.\tentailment",
+    '1\t"What is the first major city in the stream of the Rhine?\tThe most important tributaries in this '
+    "area are the Ill below of Strasbourg.\tnot_entailment",
+    '2\tWhat is the term for a hyperactive immune system?\t"Autoimmunity" is the term used here.\tentailment',
+]
+QQP_ROWS = [
+    "133273\t213221\t213222\tHow is the life of a math student? Could you describe your own experiences?\t"
+    "Which level of prepration is enough for the exam jlpt5?\t0",
+    '402555\t536040\t536041\tHow do I control my "horny" emotions?\tHow do you control your horniness?\t1',
+    "360472\t364011\t490273\tWhat causes stool color to change to yellow?\tWhat can cause stool to come out as "
+    "little balls?\t0",
+]
+SST2_ROWS = [
+    "it 's a charming and often affecting journey . \t1",
+    "unflinchingly bleak and desperate \t0",
+    '" the emperor \'s new clothes " is a waste of time . \t0',
+]
+
+
+def write_tsv(folder: Path, name: str, header: str, rows: list[str]) -> Path:
+    """A GLUE-format TSV file (header line, tab-separated rows, ``\\n`` line ends)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("".join(f"{line}\n" for line in [header, *rows]), encoding="utf-8")
+    return path
+
+
+def write_glue_task(folder: Path, header: str, rows: list[str]) -> Path:
+    """A task folder with ``train.tsv`` and ``dev.tsv`` holding the same rows."""
+    write_tsv(folder, "train.tsv", header, rows)
+    write_tsv(folder, "dev.tsv", header, rows)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE tokenizer saved as GPT-2's ``vocab.json`` + ``merges.txt`` (no download).
+
+    Trained so that the default label words of SST-2, QNLI and QQP are single tokens.
+    """
+    corpus = [
+        "Question: Is the movie great or terrible? Sentence: It was a great movie. "
+        "Does the sentence answer the question? yes no",
+        "Question 1: How do I learn? Question 2: How can I learn? Same question? yes no It was terrible.",
+    ] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
+    folder = tmp_path_factory.mktemp("tiny-bpe")
+    bpe.save_model(str(folder))
+    return folder
+
+
+@pytest.fixture
+def gpt2_dir(shared_data_dir: Path) -> str:
+    """The real GPT-2 tokenizer folder (skips without ``DPLIT_DATA_DIR``)."""
+    return str(shared_data_dir / "gpt2-tokenizer")
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer where every word is one token: easy token counting."""
+    words = ["q", "s", "same", "?", *(f"w{i}" for i in range(40))]
+    return build_word_tokenizer(words)
+
+
+def words(count: int, start: int = 0) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + count))
+
+
+# --- TSV parsing -------------------------------------------------------------------------------
+
+
+def test_qnli_tsv_with_unbalanced_quote_parses(tmp_path: Path) -> None:
+    path = write_tsv(tmp_path, "dev.tsv", QNLI_HEADER, QNLI_ROWS)
+    split = read_glue_tsv(path, QNLI)
+    assert len(split) == 3
+    assert split.texts["question"][1] == '"What is the first major city in the stream of the Rhine?'
+    assert split.texts["sentence"][2] == '"Autoimmunity" is the term used here.'
+    assert split.labels == ["entailment", "not_entailment", "entailment"]
+    assert split.source == str(path)
+
+
+def test_qqp_tsv_parses(tmp_path: Path) -> None:
+    split = read_glue_tsv(write_tsv(tmp_path, "train.tsv", QQP_HEADER, QQP_ROWS), QQP)
+    assert split.texts["question1"][1] == 'How do I control my "horny" emotions?'
+    assert split.texts["question2"][0] == "Which level of prepration is enough for the exam jlpt5?"
+    assert split.labels == ["0", "1", "0"]
+
+
+def test_sst2_tsv_parses_and_keeps_trailing_space(tmp_path: Path) -> None:
+    split = read_glue_tsv(write_tsv(tmp_path, "train.tsv", SST2_HEADER, SST2_ROWS), SST2)
+    assert split.texts["sentence"][0] == "it 's a charming and often affecting journey . "
+    assert split.texts["sentence"][2].startswith('" the emperor')
+    assert split.labels == ["1", "0", "0"]
+
+
+def test_tsv_limit_reads_first_rows(tmp_path: Path) -> None:
+    split = read_glue_tsv(write_tsv(tmp_path, "train.tsv", QQP_HEADER, QQP_ROWS), QQP, limit=2)
+    assert split.labels == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    ("task", "header", "rows", "labels"),
+    [
+        ("qnli", QNLI_HEADER, QNLI_ROWS, [1, 0, 1]),  # class order: not_entailment (" no"), entailment (" yes")
+        ("qqp", QQP_HEADER, QQP_ROWS, [0, 1, 0]),
+        ("sst2", SST2_HEADER, SST2_ROWS, [1, 0, 0]),
+    ],
+)
+def test_datamodule_loads_local_tsv(
+    tmp_path: Path, tiny_bpe_dir: Path, task: str, header: str, rows: list[str], labels: list[int]
+) -> None:
+    data = GlueDataModule(task, data_dir=str(write_glue_task(tmp_path, header, rows)), tokenizer=str(tiny_bpe_dir))
+    data.setup("fit")
+    assert data.dataset("train").labels == labels
+    assert len(data.val_dataloader().dataset) == len(data.test_dataloader().dataset) == 3
+    assert data.num_classes == 2 and data.task == task
+
+
+def test_max_examples_cap_splits(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    folder = write_glue_task(tmp_path, QNLI_HEADER, QNLI_ROWS)
+    data = GlueDataModule(
+        "qnli", data_dir=str(folder), tokenizer=str(tiny_bpe_dir), max_train_examples=2, max_eval_examples=1
+    )
+    assert len(data.train_dataloader().dataset) == 2
+    assert len(data.val_dataloader().dataset) == 1
+
+
+def test_hub_integer_labels_become_tsv_label_strings(monkeypatch: pytest.MonkeyPatch, tiny_bpe_dir: Path) -> None:
+    features = datasets.Features(
+        {
+            "question": datasets.Value("string"),
+            "sentence": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["entailment", "not_entailment"]),
+            "idx": datasets.Value("int32"),
+        }
+    )
+    rows = {"question": ["Q one?", "Q two?", "Q three?"], "sentence": ["A.", "B.", "C."], "label": [0, 1, 0]}
+    split = datasets.Dataset.from_dict({**rows, "idx": [0, 1, 2]}, features=features)
+    calls = []
+
+    def fake_load_dataset(path: str, name: str) -> datasets.DatasetDict:
+        calls.append((path, name))
+        return datasets.DatasetDict({"train": split, "validation": split})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    data = GlueDataModule("qnli", tokenizer=str(tiny_bpe_dir), max_train_examples=2)
+    assert data.dataset("train").labels == [1, 0]  # entailment → class 1 (" yes")
+    assert data.dataset("dev").labels == [1, 0, 1]
+    assert calls[0] == ("nyu-mll/glue", "qnli")
+
+
+# --- prompts and truncation ----------------------------------------------------------------------
+
+
+def test_truncation_keeps_template_and_cuts_long_second_field() -> None:
+    tokenizer = word_tokenizer()
+    prompt = PromptTemplate("q {question1} s {question2} same ?", ("question1", "question2"), tokenizer, 12)
+    ids = prompt.encode({"question1": [words(3)], "question2": [words(20, start=3)]}).input_ids[0]
+    text = tokenizer.decode(ids)
+    assert len(ids) == 12
+    assert text == f"q {words(3)} s {words(5, start=3)} same ?"  # 4 template tokens + 3 + 5
+
+
+def test_truncation_cuts_longest_field_first_then_later_on_tie() -> None:
+    tokenizer = word_tokenizer()
+    prompt = PromptTemplate("q {question1} s {question2} same ?", ("question1", "question2"), tokenizer, 13)
+    encoded = prompt.encode({"question1": [words(10), words(5)], "question2": [words(10), words(5)]})
+    assert [len(ids) for ids in encoded.input_ids] == [13, 13]
+    assert tokenizer.decode(encoded.input_ids[0]) == f"q {words(5)} s {words(4)} same ?"
+    assert tokenizer.decode(encoded.input_ids[1]) == f"q {words(5)} s {words(4)} same ?"
+    assert encoded.num_truncated == 2
+
+
+def test_short_prompt_is_not_truncated() -> None:
+    prompt = PromptTemplate("{sentence} same ?", ("sentence",), word_tokenizer(), 256)
+    encoded = prompt.encode({"sentence": [f"  {words(3)} "]})
+    assert word_tokenizer().decode(encoded.input_ids[0]) == f"{words(3)} same ?"
+    assert encoded.num_truncated == 0
+
+
+def test_max_length_too_small_for_template_errors() -> None:
+    with pytest.raises(ValueError, match=r"data\.max_length=5 cannot fit the template") as error:
+        PromptTemplate("q {question1} s {question2} same ?", ("question1", "question2"), word_tokenizer(), 5)
+    assert "4 tokens" in str(error.value)
+    with pytest.raises(ValueError, match=r"data\.max_length=3"):
+        GlueDataModule("synthetic", max_length=3, synthetic_train_size=10, synthetic_val_size=10)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{question} It was", r"field \{question\} is not one of the task's text columns \['sentence'\]"),
+        ("{} It was", r"field \{\} is not one of"),
+        ("It was", "must use at least one"),
+        ("{sentence!r} It was", "not supported"),
+        ("{sentence} {sentence}", "more than once"),
+        ("{sentence It was", "not a valid format string"),
+    ],
+)
+def test_bad_template_errors(template: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        PromptTemplate(template, ("sentence",), word_tokenizer(), 32)
+    assert str(error.value).startswith(f"data.template {template!r}")
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 30), min_size=1, max_size=3), budget=st.integers(0, 60))
+def test_truncated_lengths_equals_one_token_at_a_time(lengths: list[int], budget: int) -> None:
+    expected = list(lengths)
+    while sum(expected) > budget:
+        longest = max(range(len(expected)), key=lambda index: (expected[index], index))
+        expected[longest] -= 1
+    assert truncated_lengths(lengths, budget) == expected
+
+
+def test_prompt_tokens_match_whole_string_tokenisation(tiny_bpe_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_bpe_dir)
+    prompt = PromptTemplate(QNLI.template, QNLI.text_columns, tokenizer, 256)
+    question, sentence = "  Is the movie great?", '"It was" a great movie. '
+    ids = prompt.encode({"question": [question], "sentence": [sentence]}).input_ids[0]
+    whole = QNLI.template.format(question=question.strip(), sentence=sentence.strip())
+    assert ids == tokenizer.encode(whole, add_special_tokens=False)
+
+
+# --- label words ---------------------------------------------------------------------------------
+
+
+def test_default_label_words_are_single_gpt2_tokens(gpt2_dir: str) -> None:
+    tokenizer = load_tokenizer(gpt2_dir)
+    for spec in (SST2, QNLI, QQP):
+        for word in spec.label_words.values():
+            assert word.startswith(" ")
+            assert len(tokenizer.encode(word, add_special_tokens=False)) == 1, (spec.name, word)
+    assert tokenizer.encode(" terrible") == [7818] and tokenizer.encode(" great") == [1049]
+
+
+def test_load_tokenizer_hello_world(gpt2_dir: str) -> None:
+    tokenizer = load_tokenizer(gpt2_dir)
+    assert tokenizer.encode("Hello world") == [15496, 995]
+    assert len(tokenizer) == 50257
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|endoftext|>"
+
+
+def test_load_tokenizer_from_local_bpe_files(tiny_bpe_dir: Path) -> None:
+    tokenizer = load_tokenizer(tiny_bpe_dir)
+    assert len(tokenizer) > 256  # not the silently empty tokenizer of vocab_file=/merges_file=
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id is not None
+
+
+def test_multi_token_label_word_errors(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    folder = write_glue_task(tmp_path, SST2_HEADER, SST2_ROWS)
+    with pytest.raises(ValueError, match="data.label_words") as error:
+        GlueDataModule(
+            "sst2", data_dir=str(folder), tokenizer=str(tiny_bpe_dir), label_words={"0": " xylophone", "1": " great"}
+        )
+    assert "' xylophone'" in str(error.value) and "exactly one token" in str(error.value)
+    with pytest.raises(ValueError, match=r"data\.label_words: the word ' very good' for label '1'"):
+        GlueDataModule("synthetic", label_words={"0": " bad", "1": " very good"})
+
+
+def test_label_words_keys_must_match_task_labels() -> None:
+    expected = r"data\.label_words .*synthetic label \['0', '1'\].*got keys \['neg', 'pos'\]"
+    with pytest.raises(ValueError, match=expected):
+        GlueDataModule("synthetic", label_words={"neg": " bad", "pos": " good"})
+    data = GlueDataModule("synthetic", label_words={1: " bad", 0: " good"})  # YAML may give int keys
+    assert data.label_word_ids == [data.tokenizer.convert_tokens_to_ids(word) for word in ("bad", "good")]
+    assert data._class_index == {"1": 0, "0": 1}
+
+
+def test_label_words_must_be_distinct_tokens() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        GlueDataModule("synthetic", label_words={"0": " good", "1": "good"})
+
+
+# --- errors naming the file and row --------------------------------------------------------------
+
+
+def test_unknown_task_errors() -> None:
+    expected = r"data\.task must be one of \['qnli', 'qqp', 'sst2', 'synthetic'\], got 'mnli'"
+    with pytest.raises(ValueError, match=expected):
+        GlueDataModule("mnli")
+
+
+def test_missing_column_names_file_column_and_header(tmp_path: Path) -> None:
+    path = write_tsv(tmp_path, "train.tsv", "index\tquestion\tlabel", ["0\tWhy?\tentailment"])
+    with pytest.raises(ValueError) as error:
+        read_glue_tsv(path, QNLI)
+    message = str(error.value)
+    assert str(path) in message and "missing column 'sentence'" in message
+    assert "['index', 'question', 'label']" in message
+
+
+def test_unknown_label_names_file_row_and_label_set(tmp_path: Path) -> None:
+    rows = [*QNLI_ROWS[:2], "2\tWhy?\tBecause.\tneutral"]
+    path = write_tsv(tmp_path, "dev.tsv", QNLI_HEADER, rows)
+    with pytest.raises(ValueError) as error:
+        read_glue_tsv(path, QNLI)
+    message = str(error.value)
+    assert f"{path}, line 4" in message and "'neutral'" in message
+    assert "['entailment', 'not_entailment']" in message
+
+
+def test_row_with_wrong_field_count_names_line(tmp_path: Path) -> None:
+    path = write_tsv(tmp_path, "train.tsv", SST2_HEADER, [SST2_ROWS[0], "no label here"])
+    with pytest.raises(ValueError, match=rf"{path}, line 3: expected 2 tab-separated fields"):
+        read_glue_tsv(path, SST2)
+
+
+def test_empty_split_names_file(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    folder = tmp_path / "sst2"
+    write_tsv(folder, "train.tsv", SST2_HEADER, SST2_ROWS)
+    write_tsv(folder, "dev.tsv", SST2_HEADER, [])
+    data = GlueDataModule("sst2", data_dir=str(folder), tokenizer=str(tiny_bpe_dir))
+    with pytest.raises(ValueError, match=rf"{folder / 'dev.tsv'} has no examples"):
+        data.setup("validate")
+
+
+def test_missing_file_names_path(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    data = GlueDataModule("qqp", data_dir=str(tmp_path), tokenizer=str(tiny_bpe_dir))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "train.tsv")):
+        data.setup("fit")
+
+
+@pytest.mark.parametrize("name", ["batch_size", "max_length", "max_train_examples"])
+def test_non_positive_counts_error(name: str) -> None:
+    with pytest.raises(ValueError, match=rf"data\.{name} must be a positive integer"):
+        GlueDataModule("synthetic", **{name: 0})
+
+
+# --- batching ------------------------------------------------------------------------------------
+
+
+def test_collate_pads_to_longest_on_the_right() -> None:
+    batch = PadCollator(pad_token_id=0)([{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [8], "label": 0}])
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [1, 0]
+    assert all(tensor.dtype == torch.long for tensor in batch.values())
+
+
+def test_collate_pads_on_the_left() -> None:
+    batch = PadCollator(pad_token_id=9, padding_side="left")(
+        [{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [8, 4], "label": 0}]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [9, 8, 4]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [0, 1, 1]]
+
+
+def test_collate_empty_batch() -> None:
+    batch = PadCollator(pad_token_id=0)([])
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (0, 1)
+    assert batch["labels"].shape == (0,)
+    assert all(tensor.dtype == torch.long for tensor in batch.values())
+
+
+def test_collate_rejects_unknown_padding_side() -> None:
+    with pytest.raises(ValueError, match="data.padding_side"):
+        PadCollator(0, padding_side="middle")  # type: ignore[arg-type]
+
+
+def test_batches_are_dynamically_padded_per_batch() -> None:
+    data = GlueDataModule("synthetic", eval_batch_size=4, synthetic_train_size=50, synthetic_val_size=40)
+    widths = {batch["input_ids"].shape[1] for batch in data.val_dataloader()}
+    assert len(widths) > 1  # 8–14 words + 3 template words, padded per batch
+    for batch in data.val_dataloader():
+        assert batch["attention_mask"].sum(1).max() == batch["input_ids"].shape[1]
+
+
+def test_train_loader_can_be_rebuilt_with_poisson_batches() -> None:
+    data = GlueDataModule("synthetic", batch_size=16, synthetic_train_size=100, synthetic_val_size=10, num_workers=0)
+    loader = data.train_dataloader()
+    assert type(loader) is DataLoader and isinstance(loader.sampler, RandomSampler)
+    assert loader.batch_size == 16
+    collate = pickle.loads(pickle.dumps(loader.collate_fn))
+    poisson_batches = [[0, 5, 7], []]
+    rebuilt = DataLoader(
+        loader.dataset, batch_sampler=poisson_batches, collate_fn=collate, num_workers=loader.num_workers
+    )
+    full, empty = list(rebuilt)
+    assert full["input_ids"].shape[0] == 3 and empty["input_ids"].shape == (0, 1)
+
+
+def test_padding_side_reaches_batches_and_tokenizer() -> None:
+    data = GlueDataModule("synthetic", padding_side="left", synthetic_train_size=10, synthetic_val_size=10)
+    batch = next(iter(data.val_dataloader()))
+    assert data.tokenizer.padding_side == "left"
+    assert batch["attention_mask"][:, -1].all()  # the answer position is the last column for every row
+
+
+# --- synthetic task ------------------------------------------------------------------------------
+
+
+def test_synthetic_interface_and_tokenizer() -> None:
+    data = GlueDataModule("synthetic", tokenizer="not-a-tokenizer", synthetic_train_size=20, synthetic_val_size=10)
+    assert data.num_classes == 2 and data.task == "synthetic"
+    assert data.vocab_size == len(data.tokenizer) <= 128
+    assert data.tokenizer.pad_token_id == data.tokenizer.eos_token_id == 0
+    for word, token_id in zip(TASKS["synthetic"].label_words.values(), data.label_word_ids, strict=True):
+        assert data.tokenizer.encode(word, add_special_tokens=False) == [token_id]
+    assert data.tokenizer.encode("good") == data.tokenizer.encode(" good")
+
+
+def test_synthetic_is_deterministic_per_seed() -> None:
+    def train_examples(seed: int, size: int = 200) -> list[tuple[list[int], int]]:
+        data = GlueDataModule("synthetic", seed=seed, synthetic_train_size=size, synthetic_val_size=10)
+        dataset = data.dataset("train")
+        return [(example["input_ids"], example["label"]) for example in dataset]
+
+    assert train_examples(0) == train_examples(0)
+    assert train_examples(0) != train_examples(1)
+    assert train_examples(0, size=300)[:200] == train_examples(0)
+
+
+def test_synthetic_is_balanced_short_and_labelled_by_majority() -> None:
+    data = GlueDataModule("synthetic", synthetic_train_size=2000, synthetic_val_size=500)
+    train = data.dataset("train")
+    counts = Counter(train.labels)
+    assert 0.45 < counts[1] / len(train) < 0.55
+    tokenizer = build_synthetic_tokenizer()
+    positive = set(tokenizer.convert_tokens_to_ids(list(POSITIVE_WORDS)))
+    negative = set(tokenizer.convert_tokens_to_ids(list(NEGATIVE_WORDS)))
+    template = tokenizer.encode(" overall it was")
+    for example in train:
+        ids = example["input_ids"]
+        assert 8 + len(template) <= len(ids) <= 14 + len(template) and ids[-len(template) :] == template
+        balance = sum(token in positive for token in ids) - sum(token in negative for token in ids)
+        assert balance != 0 and example["label"] == int(balance > 0)
+    assert len(data.dataset("dev")) == 500
+
+
+# --- real data -----------------------------------------------------------------------------------
+
+
+def test_real_sst2(shared_data_dir: Path) -> None:
+    data = GlueDataModule(
+        "sst2",
+        data_dir=str(shared_data_dir / "glue" / "sst2"),
+        tokenizer=str(shared_data_dir / "gpt2-tokenizer"),
+        batch_size=8,
+    )
+    assert data.label_word_ids == [7818, 1049]  # " terrible", " great"
+    assert data.vocab_size == 50257 and data.num_classes == 2
+    data.setup("fit")
+    assert len(data.train_dataloader().dataset) == 67_349
+    assert len(data.val_dataloader().dataset) == len(data.test_dataloader().dataset) == 872
+    batch = next(iter(data.val_dataloader()))
+    assert batch["input_ids"].shape == batch["attention_mask"].shape
+    assert batch["input_ids"].shape[0] == 64 and batch["labels"].shape == (64,)
+    first = data.tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
+    assert first == "it 's a charming and often affecting journey . It was"
