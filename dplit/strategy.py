@@ -95,6 +95,11 @@ class DPStrategy(DDPStrategy):
         self._noise_generator: torch.Generator | None = None
 
     @property
+    def max_grad_norm(self) -> float:
+        """The per-example clipping bound C."""
+        return self._max_grad_norm
+
+    @property
     def noise_multiplier(self) -> float | None:
         """σ in use (calibrated from ``target_epsilon`` once training starts)."""
         return self._noise_multiplier

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from tokenizers import ByteLevelBPETokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -19,3 +20,21 @@ def shared_data_dir() -> Path:
     if not folder or not Path(folder).is_dir():
         pytest.skip("DPLIT_DATA_DIR is not set to the shared data folder (GLUE SST-2 + GPT-2 tokenizer)")
     return Path(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small byte-level BPE tokenizer saved as GPT-2's ``vocab.json`` + ``merges.txt`` (no download).
+
+    Trained so that the default label words of SST-2, QNLI and QQP are single tokens.
+    """
+    corpus = [
+        "Question: Is the movie great or terrible? Sentence: It was a great movie. "
+        "Does the sentence answer the question? yes no",
+        "Question 1: How do I learn? Question 2: How can I learn? Same question? yes no It was terrible.",
+    ] * 20
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
+    folder = tmp_path_factory.mktemp("tiny-bpe")
+    bpe.save_model(str(folder))
+    return folder

@@ -11,7 +11,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import ByteLevelBPETokenizer
 from torch.utils.data import DataLoader, RandomSampler
 from transformers import PreTrainedTokenizerFast
 
@@ -22,64 +21,16 @@ from dplit.data.sources import read_glue_tsv
 from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic_tokenizer
 from dplit.data.tasks import QNLI, QQP, SST2, TASKS
 from dplit.data.tokenizer import build_word_tokenizer
-
-SST2_HEADER = "sentence\tlabel"
-QNLI_HEADER = "index\tquestion\tsentence\tlabel"
-QQP_HEADER = "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate"
-
-QNLI_ROWS = [
-    "0\tWhat came into force after the new constitution was herald?\tAs of that day, the new constitution "
-    "heralding the Second Republic came into force.\tentailment",
-    '1\t"What is the first major city in the stream of the Rhine?\tThe most important tributaries in this '
-    "area are the Ill below of Strasbourg.\tnot_entailment",
-    '2\tWhat is the term for a hyperactive immune system?\t"Autoimmunity" is the term used here.\tentailment',
-]
-QQP_ROWS = [
-    "133273\t213221\t213222\tHow is the life of a math student? Could you describe your own experiences?\t"
-    "Which level of prepration is enough for the exam jlpt5?\t0",
-    '402555\t536040\t536041\tHow do I control my "horny" emotions?\tHow do you control your horniness?\t1',
-    "360472\t364011\t490273\tWhat causes stool color to change to yellow?\tWhat can cause stool to come out as "
-    "little balls?\t0",
-]
-SST2_ROWS = [
-    "it 's a charming and often affecting journey . \t1",
-    "unflinchingly bleak and desperate \t0",
-    '" the emperor \'s new clothes " is a waste of time . \t0',
-]
-
-
-def write_tsv(folder: Path, name: str, header: str, rows: list[str]) -> Path:
-    """A GLUE-format TSV file (header line, tab-separated rows, ``\\n`` line ends)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("".join(f"{line}\n" for line in [header, *rows]), encoding="utf-8")
-    return path
-
-
-def write_glue_task(folder: Path, header: str, rows: list[str]) -> Path:
-    """A task folder with ``train.tsv`` and ``dev.tsv`` holding the same rows."""
-    write_tsv(folder, "train.tsv", header, rows)
-    write_tsv(folder, "dev.tsv", header, rows)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small byte-level BPE tokenizer saved as GPT-2's ``vocab.json`` + ``merges.txt`` (no download).
-
-    Trained so that the default label words of SST-2, QNLI and QQP are single tokens.
-    """
-    corpus = [
-        "Question: Is the movie great or terrible? Sentence: It was a great movie. "
-        "Does the sentence answer the question? yes no",
-        "Question 1: How do I learn? Question 2: How can I learn? Same question? yes no It was terrible.",
-    ] * 20
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
-    folder = tmp_path_factory.mktemp("tiny-bpe")
-    bpe.save_model(str(folder))
-    return folder
-
+from tests.glue_files import (
+    QNLI_HEADER,
+    QNLI_ROWS,
+    QQP_HEADER,
+    QQP_ROWS,
+    SST2_HEADER,
+    SST2_ROWS,
+    write_glue_task,
+    write_tsv,
+)
 
 @pytest.fixture
 def gpt2_dir(shared_data_dir: Path) -> str:

@@ -1,0 +1,146 @@
+"""The dplit command: every shipped config parses and runs a step; overrides, seeds and subcommands work."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dplit.cli import run_cli
+from dplit.strategy import DPStrategy
+from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
+
+CONFIGS = Path(__file__).parents[1] / "configs"
+GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.stem != "quickstart")
+TINY = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 256})
+GLUE_FILES = {"sst2": (SST2_HEADER, SST2_ROWS), "qnli": (QNLI_HEADER, QNLI_ROWS), "qqp": (QQP_HEADER, QQP_ROWS)}
+
+
+def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(CONFIGS / "quickstart.yaml"),
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false",
+        "--data.synthetic_train_size", "200",
+        "--data.synthetic_val_size", "40",
+        "--data.batch_size", "20",
+        *extra,
+    ]  # fmt: skip
+
+
+def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
+    task = config.stem.split("_")[0]
+    header, rows = GLUE_FILES[task]
+    folder = write_glue_task(tmp_path / task, header, rows * 4)
+    return [
+        "--config", str(config),
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32-true",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.fast_dev_run", "1",
+        "--model.pretrained", "null",
+        "--model.config", TINY,
+        "--data.data_dir", str(folder),
+        "--data.tokenizer", str(tokenizer_dir),
+        "--data.batch_size", "4",
+        "--data.eval_batch_size", "4",
+    ]  # fmt: skip
+
+
+def test_quickstart_runs_one_private_step(tmp_path: Path) -> None:
+    cli = run_cli(["fit", *quickstart_args(tmp_path, "--trainer.fast_dev_run", "1")])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, DPStrategy) and strategy.accountant.steps == 1
+    assert 0 < cli.trainer.callback_metrics["privacy/epsilon"] <= 8.0
+    assert {"train/loss", "val/acc", "memory/peak_mb", "perf/samples_per_sec"} <= set(cli.trainer.callback_metrics)
+
+
+@pytest.mark.parametrize("config", GLUE_CONFIGS, ids=lambda p: p.stem)
+def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    cli = run_cli(["fit", *glue_args(config, tmp_path, tiny_bpe_dir)])
+    assert cli.trainer.strategy.accountant.steps == 1
+    assert cli.model.hparams.task == config.stem.split("_")[0]
+    tied = cli.model.backbone.lm_head.weight is cli.model.backbone.transformer.wte.weight
+    assert tied == config.stem.endswith("_tied")
+    if config.stem.startswith("qqp"):
+        assert "val/f1" in cli.trainer.callback_metrics
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_config_has_header_with_exact_command(config: Path) -> None:
+    header = config.read_text().split("\n\n")[0]
+    assert header.startswith("# ") and f"dplit fit --config configs/{config.name}" in header
+
+
+def test_print_config_shows_linked_and_overridden_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    args = quickstart_args(tmp_path, "--trainer.strategy.init_args.max_grad_norm", "0.25", "--print_config")
+    with pytest.raises(SystemExit) as stop:
+        run_cli(["fit", *args])
+    assert stop.value.code == 0
+    printed = capsys.readouterr().out
+    assert "max_grad_norm: 0.25" in printed and "task: synthetic" in printed
+
+
+def test_command_line_override_reaches_the_strategy(tmp_path: Path) -> None:
+    args = quickstart_args(tmp_path, "--trainer.fast_dev_run", "1", "--trainer.strategy.init_args.max_grad_norm", "0.3")
+    assert run_cli(["fit", *args]).trainer.strategy.max_grad_norm == 0.3
+
+
+def test_seed_everything_makes_runs_identical(tmp_path: Path) -> None:
+    states = []
+    for run in range(2):
+        args = quickstart_args(tmp_path / str(run), "--trainer.fast_dev_run", "2", "--seed_everything", "7")
+        states.append(run_cli(["fit", *args]).model.state_dict())
+    assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_validate_and_test_subcommands(subcommand: str, tmp_path: Path) -> None:
+    cli = run_cli([subcommand, *quickstart_args(tmp_path)])
+    assert f"{'val' if subcommand == 'validate' else 'test'}/acc" in cli.trainer.callback_metrics
+
+
+def test_unknown_task_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="data.task"):
+        run_cli(["fit", *quickstart_args(tmp_path, "--data.task", "mnli")])
+
+
+def test_gradient_clipping_beside_dp_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="gradient_clip_val"):
+        run_cli(["fit", *quickstart_args(tmp_path, "--trainer.gradient_clip_val", "1.0")])
+
+
+def test_python_dash_m_and_console_script_entry(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "dplit", "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "fit" in result.stdout and "validate" in result.stdout
+
+
+def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, tmp_path: Path) -> None:
+    cli = run_cli([
+        "fit",
+        "--config", str(CONFIGS / "sst2_untied.yaml"),
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32-true",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.max_steps", "3",
+        "--trainer.limit_val_batches", "2",
+        "--trainer.val_check_interval", "3",
+        "--model.pretrained", "null",
+        "--model.config", TINY,
+        "--data.data_dir", str(shared_data_dir / "glue" / "sst2"),
+        "--data.tokenizer", str(shared_data_dir / "gpt2-tokenizer"),
+        "--data.max_train_examples", "2000",
+        "--data.max_eval_examples", "64",
+        "--data.batch_size", "64",
+        "--data.eval_batch_size", "32",
+    ])  # fmt: skip
+    metrics = cli.trainer.callback_metrics
+    assert cli.model.hparams.vocab_size == 50257 and cli.model.hparams.label_word_ids == [7818, 1049]
+    assert cli.trainer.strategy.accountant.steps == 3 and 0 < metrics["privacy/epsilon"] <= 8.0
+    assert torch.isfinite(metrics["train/loss"]) and "val/acc" in metrics
