@@ -41,6 +41,7 @@ class ModuleCall:
     module: nn.Module
     rule: NormRule
     activation: Tensor
+    grad_enabled: bool
     output_grad: Tensor | None = None
 
 
@@ -136,12 +137,16 @@ class GhostEngine(ClippingEngine):
         """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass."""
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
+        if _is_empty(batch):  # an empty (Poisson) micro-batch: nothing to run or clip
+            for _, param in coverage.parameters.values():
+                add_to_grad(param, torch.zeros_like(param))
+            empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
+            return ClipStats(losses=empty, norms=empty)
         with torch.enable_grad(), _weight_gradients_off([p for _, p in coverage.parameters.values()]):
             losses, calls = self._forward(loss_fn, batch, coverage)
-            if losses.requires_grad and losses.numel() > 0:
+            _check_gradients_recorded(calls)
+            if losses.requires_grad:
                 losses.sum().backward()
-        if losses.numel() == 0:  # an empty (Poisson) micro-batch: nothing to clip
-            calls = []
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
             uses = _collect_uses(calls, coverage, dtype)
             squared = losses.new_zeros(losses.shape[0], dtype=dtype)
@@ -163,7 +168,9 @@ class GhostEngine(ClippingEngine):
                 handles = (
                     module.register_forward_pre_hook(monitor.enter),
                     module.register_forward_hook(monitor.exit, always_call=True),
-                    module.register_forward_hook(partial(_record_call, calls, name, rule), with_kwargs=True),
+                    module.register_forward_hook(
+                        partial(_record_call, calls, name, rule), with_kwargs=True, prepend=True
+                    ),  # first, so the gradient captured is of the module's own output
                 )
                 for handle in handles:
                     hooks.callback(handle.remove)
@@ -173,6 +180,12 @@ class GhostEngine(ClippingEngine):
             raise ValueError("; ".join(monitor.violations))
         _check_batch_dims(losses, calls)
         return losses, calls
+
+
+def _is_empty(batch: Batch) -> bool:
+    """Whether the batch holds no examples (every tensor has size 0 along dim 0)."""
+    tensors = [value for value in batch.values() if isinstance(value, Tensor) and value.dim() > 0]
+    return bool(tensors) and all(value.shape[0] == 0 for value in tensors)
 
 
 def _record_call(
@@ -186,14 +199,14 @@ def _record_call(
 ) -> Tensor | None:
     """Forward hook: keep the input; make the output carry a gradient we capture (a fresh leaf if needed)."""
     activation = args[0] if args else next(iter(kwargs.values()))
-    call = ModuleCall(name, module, rule, activation.detach())
+    call = ModuleCall(name, module, rule, activation.detach(), torch.is_grad_enabled())
     calls.append(call)
-    if not torch.is_grad_enabled():
+    if not call.grad_enabled:
         return None
     if not isinstance(output, Tensor):
         raise ValueError(f"{name!r} ({type(module).__name__}) returned {type(output).__name__}, not a Tensor")
-    if not output.requires_grad:
-        output = output.detach().requires_grad_()
+    if not output.requires_grad:  # nothing upstream is trained (e.g. an embedding): start the graph here
+        output = output.detach().requires_grad_().clone()  # a non-leaf, so later in-place ops stay legal
     output.register_hook(partial(_store_output_grad, call))
     return output
 
@@ -213,6 +226,16 @@ def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
                 f"{call.name!r} ({type(call.module).__name__}) received input of shape "
                 f"{tuple(call.activation.shape)} for a batch of {losses.shape[0]} examples: ghost clipping needs "
                 f"dim 0 to be the example (e.g. pass GPT-2 position_ids of shape [B, T], not [1, T])"
+            )
+
+
+def _check_gradients_recorded(calls: list[ModuleCall]) -> None:
+    """Refuse covered calls made without autograd (e.g. reentrant gradient checkpointing): their gradient is unseen."""
+    for call in calls:
+        if not call.grad_enabled:
+            raise ValueError(
+                f"{call.name!r} ({type(call.module).__name__}) ran under torch.no_grad inside loss_fn (gradient "
+                "checkpointing?): ghost clipping needs the gradient of every call of a trainable layer"
             )
 
 

@@ -106,7 +106,8 @@ class ParameterUseMonitor(TorchFunctionMode):
     """Records every torch call that uses a watched parameter outside a covered module owning it.
 
     Covered modules announce themselves with :meth:`enter` / :meth:`exit` (forward pre/post hooks). A call
-    is a *use* when it receives the parameter and returns a tensor; ``detach`` and friends are not uses.
+    is a *use* when it receives the parameter (or a view of it) and returns a tensor; ``detach`` and friends
+    are not uses.
 
     Args:
         owners: by parameter ``id``, its name and the covered modules that own it.
@@ -136,10 +137,17 @@ class ParameterUseMonitor(TorchFunctionMode):
             return result
         current = self._stack[-1] if self._stack else None
         for tensor in _tensors((args, kwargs)):
-            owner = self._owners.get(id(tensor))
+            owner = self._owner_of(tensor)
             if owner is not None and current not in owner.modules:
                 self._note(owner, func, current)
         return result
+
+    def _owner_of(self, tensor: Tensor) -> ParameterOwner | None:
+        """The watched parameter ``tensor`` is, or is a view of (a view cached before the forward)."""
+        owner = self._owners.get(id(tensor))
+        if owner is None and tensor._base is not None:
+            owner = self._owners.get(id(tensor._base))
+        return owner
 
     def _note(self, owner: ParameterOwner, func: Any, current: int | None) -> None:
         """Record one violation (once per parameter)."""
