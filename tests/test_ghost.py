@@ -483,3 +483,17 @@ def test_in_place_op_on_an_embedding_output() -> None:
 
     batch = {"input_ids": torch.tensor([[1, 3, 3, 5], [2, 4, 0, 2]]), "labels": torch.tensor([1, 0])}
     check_against_oracles(model, loss_fn, batch, clip=0.4)
+
+
+def test_sdpa_attention_matches_brute_force() -> None:
+    torch.manual_seed(0)
+    model = GPT2Classifier(
+        config=TINY, vocab_size=VOCAB, embeddings=TiedEmbeddings(), label_word_ids=LABEL_WORDS, attn_implementation="sdpa"
+    ).double()  # vmap (PerExampleEngine) cannot trace sdpa's mask; the ghost engine has no such limit
+    batch = padded_batch([5, 1, 9, 3], "left")
+    grads = per_example_gradients(model, model.per_example_loss, batch)
+    stats, ghost_grads = run(GhostEngine(model, max_grad_norm=0.5), model, model.per_example_loss, batch)
+    assert_close(stats.norms, gradient_norms(grads))
+    expected = clipped_sum(grads, 0.5)
+    for name, grad in ghost_grads.items():
+        assert_close(grad, expected[name])

@@ -77,8 +77,8 @@ def _as_dense(factor: Factor, dtype: torch.dtype) -> Tensor:
 
 
 def _dtype_of(*factors: Factor) -> torch.dtype:
-    """The floating dtype of the dense factors among ``factors``."""
-    return next(f.values.dtype for f in factors if isinstance(f, DenseFactor))
+    """The floating dtype of the dense factors among ``factors`` (the default dtype if all are indices)."""
+    return next((f.values.dtype for f in factors if isinstance(f, DenseFactor)), torch.get_default_dtype())
 
 
 def factor_gram(first: Factor, second: Factor, dtype: torch.dtype) -> Tensor:
@@ -105,7 +105,7 @@ def materialise(use: GradientUse) -> Tensor:
 
 
 def prefers_materialising(use: FactoredGradient) -> bool:
-    """Whether building [B, r, c] is cheaper than the [B, T, T] Grams: dense factors and 2T² ≥ r·c."""
+    """Whether the [B, r, c] gradient is no bigger than two [B, T, T] Grams (2T² ≥ r·c); never for index factors."""
     dense = isinstance(use.left, DenseFactor) and isinstance(use.right, DenseFactor)
     return dense and 2 * use.positions**2 >= use.left.width * use.right.width
 
