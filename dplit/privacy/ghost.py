@@ -11,7 +11,7 @@ norms; and the clipped sum Σ_i c_i G_i is formed per use with one matmul or ``i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -255,12 +255,13 @@ def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtyp
 
 def _clipped_sum(uses: list[GradientUse], factors: Tensor, param: nn.Parameter) -> Tensor:
     """Σ_i c_i G_i over all of a parameter's uses, in its shape (zeros when it was not used)."""
-    if not uses:
-        return torch.zeros_like(param, dtype=factors.dtype)
-    return torch.stack([weighted_sum(use, factors).reshape(param.shape) for use in uses]).sum(0)
+    total = torch.zeros_like(param, dtype=factors.dtype)
+    for use in uses:
+        total += weighted_sum(use, factors).reshape(param.shape)  # in place: no stack of V×d updates
+    return total
 
 
-def _norm_dtype(parameters: Iterator[nn.Parameter]) -> torch.dtype:
+def _norm_dtype(parameters: Iterable[nn.Parameter]) -> torch.dtype:
     """float64 when any trainable parameter is float64, else float32 (also for bf16/fp16 weights)."""
     return torch.float64 if any(p.dtype == torch.float64 for p in parameters) else torch.float32
 
