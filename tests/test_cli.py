@@ -144,3 +144,16 @@ def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, t
     assert cli.model.hparams.vocab_size == 50257 and cli.model.hparams.label_word_ids == [7818, 1049]
     assert cli.trainer.strategy.accountant.steps == 3 and 0 < metrics["privacy/epsilon"] <= 8.0
     assert torch.isfinite(metrics["train/loss"]) and "val/acc" in metrics
+
+
+def test_quickstart_learns_the_synthetic_task_within_its_budget(tmp_path: Path) -> None:
+    args = [
+        "--config", str(CONFIGS / "quickstart.yaml"),
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.max_epochs", "1",
+    ]  # fmt: skip
+    cli = run_cli(["fit", *args])
+    metrics = cli.trainer.callback_metrics
+    assert metrics["val/acc"] >= 0.8
+    assert 7.0 < metrics["privacy/epsilon"] <= 8.0 and cli.trainer.strategy.accountant.steps == 40

@@ -21,7 +21,7 @@ from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens
 
-ENGINES = ["per_example"]
+ENGINES = ["per_example", "ghost"]
 
 
 class BatchRecorder(Callback):
