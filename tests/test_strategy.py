@@ -235,3 +235,29 @@ def test_without_dp_the_same_module_trains_non_privately(tmp_path: Path) -> None
     trainer.fit(model, RandomTokenData())
     assert "train/loss" in trainer.callback_metrics
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class CrashAtStep(Callback):
+    """Raises ``error`` when the trainer is about to run step ``step``."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self._step, self._error = step, error
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == self._step:
+            raise self._error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk on fire"), KeyboardInterrupt()], ids=["crash", "interrupt"])
+def test_crash_or_interrupt_keeps_the_last_checkpoint_and_ledger(tmp_path: Path, error: BaseException) -> None:
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    with pytest.raises((RuntimeError, SystemExit, KeyboardInterrupt)):
+        fit(tmp_path, make_model(), max_steps=6, noise_multiplier=1.0, callbacks=[checkpoints, CrashAtStep(3, error)])
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 3
+    assert [tuple(entry) for entry in saved["dplit_privacy"]["accountant"]["history"]] == [(1.0, 0.25, 3)]
+    ledgers = list(tmp_path.rglob("privacy_ledger.json"))
+    assert len(ledgers) == 1 and json.loads(ledgers[0].read_text())["accountant"]["history"] == [[1.0, 0.25, 3]]
+    resumed = str(tmp_path / "ckpt" / "last.ckpt")
+    _, strategy = fit(tmp_path, make_model(), max_steps=5, noise_multiplier=1.0, ckpt_path=resumed)
+    assert strategy.accountant.steps == 5
