@@ -157,3 +157,18 @@ def test_quickstart_learns_the_synthetic_task_within_its_budget(tmp_path: Path) 
     metrics = cli.trainer.callback_metrics
     assert metrics["val/acc"] >= 0.8
     assert 7.0 < metrics["privacy/epsilon"] <= 8.0 and cli.trainer.strategy.accountant.steps == 40
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        ["--trainer.precision", "bf16-mixed"],
+        ["--model.freeze", '["backbone.transformer.wpe", "backbone.transformer.wte"]'],
+        ["--model.embeddings", "dplit.embeddings.TiedEmbeddings", "--model.head", "linear"],
+    ],
+    ids=["bf16-autocast", "frozen-embeddings", "tied-linear-head"],
+)
+def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_path: Path) -> None:
+    cli = run_cli(["fit", *quickstart_args(tmp_path, "--trainer.fast_dev_run", "2", *override)])
+    assert cli.trainer.strategy.accountant.steps == 2
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
