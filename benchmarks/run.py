@@ -1,0 +1,252 @@
+"""Run the benchmark suite: every configuration in its own process, then results.json, table.md, chart.png.
+
+    python -m benchmarks.run --quick              # tiny model, B=8, T=128: a few minutes on 2 CPU cores
+    python -m benchmarks.run                      # GPT-2 and DistilGPT-2 size, B in {8, 16}, T=128 (hours on CPU)
+    python -m benchmarks.run --models gpt2 --batch-sizes 16 --warmup 2 --steps 3   # the size the targets are for
+
+Configurations (``method:policy``), all on the same random-init label-word GPT2Classifier, batch and length:
+non-private (tied and untied, the baselines of the ratios), dplit ghost (untied, tied), dplit per-example tied
+(the materialising baseline libraries fall back to for tied weights), opacus hooks and ghost on the untied model,
+opacus ghost on the tied model (refused by opacus: reported as such) and opacus hooks on the tied model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import report
+from benchmarks.step import cpu_jiffies
+
+ROOT = Path(__file__).resolve().parent.parent
+BUSY = 0.15
+"""Share of the machine's CPUs used by other processes above which a measurement counts as disturbed."""
+DEFAULT_CONFIGS = (
+    "non_private:untied",
+    "non_private:tied",
+    "dplit_ghost:untied",
+    "dplit_ghost:tied",
+    "dplit_per_example:tied",
+    "opacus_hooks:untied",
+    "opacus_ghost:untied",
+    "opacus_ghost:tied",
+    "opacus_hooks:tied",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model (2 layers, 128 wide, full vocabulary), B=8")
+    parser.add_argument("--models", nargs="+", choices=("gpt2", "distilgpt2", "tiny"), default=None)
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument(
+        "--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="METHOD:POLICY",
+        help="configurations to run (default: all); non_private of a policy is needed for that policy's ratios",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps, median reported (default 5 quick, 3 full)")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 300 quick, 3600)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:i]")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-grad-norm", type=float, default=0.1)
+    parser.add_argument("--privatize", choices=("strategy", "inplace"), default="strategy")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="results folder (default benchmarks/results/quick with --quick, else benchmarks/results)")
+    parser.add_argument("--append", action="store_true",
+                        help="keep rows of other configurations already in OUT/results.json (same machine)")
+    parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
+                        help="before each configuration wait up to this long for other processes to leave the CPUs "
+                             "idle (for shared machines; 0: do not wait)")
+    parser.add_argument("--retries", type=int, default=0,
+                        help=f"rerun a configuration (up to this many times, after waiting for idle CPUs) when other "
+                             f"processes used more than {BUSY * 100:.0f}%% of the CPUs during its timed steps; the least "
+                             "disturbed attempt is kept")
+    parser.add_argument("--logs", type=Path, default=ROOT / "benchmarks" / "out" / "logs",
+                        help="each configuration's stdout/stderr goes here (git-ignored)")
+    args = parser.parse_args(argv)
+    args.models = args.models or (["tiny"] if args.quick else ["gpt2", "distilgpt2"])
+    args.batch_sizes = args.batch_sizes or ([8] if args.quick else [8, 16])
+    args.warmup = args.warmup if args.warmup is not None else 2
+    args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
+    args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("quick" if args.quick else "")
+    for config in args.configs:
+        method, _, policy = config.partition(":")
+        if method not in report.METHOD_NAMES or policy not in ("tied", "untied"):
+            parser.error(f"bad configuration {config!r}: use METHOD:POLICY, e.g. dplit_ghost:tied")
+    return args
+
+
+def machine_info(threads: int, device: str) -> dict[str, Any]:
+    """CPU model, cores, memory, library versions, GPU (asked of a throwaway child so this process stays small)."""
+    probe = (
+        "import json, torch, transformers, opacus\n"
+        f"t = {threads}\n"
+        "if t: torch.set_num_threads(t)\n"
+        f"dev = {device!r}\n"
+        "cuda = torch.cuda.is_available() and dev != 'cpu'\n"
+        "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__,\n"
+        "  'opacus': opacus.__version__, 'torch_threads': torch.get_num_threads(),\n"
+        "  'cuda_device': torch.cuda.get_device_name() if cuda else None,\n"
+        "  'cuda_version': torch.version.cuda if cuda else None}))\n"
+    )
+    versions = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                         check=True).stdout.strip().splitlines()[-1])
+    cpu_model = "unknown"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    return {
+        "cpu_model": cpu_model,
+        "logical_cpus": len(os.sched_getaffinity(0)),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": total_kib / 2**20,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        **versions,
+    }
+
+
+def git_info() -> dict[str, Any]:
+    """HEAD and whether dplit/ differed from it (the benchmark measures the working tree's dplit)."""
+
+    def git(*command: str) -> str:
+        done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    dirty = bool(git("status", "--porcelain", "--", "dplit"))
+    return {"head": head, "dplit_uncommitted_changes": dirty,
+            "describe": head + (" + uncommitted changes in dplit/" if dirty else "")}
+
+
+def machine_busy(seconds: float = 1.0) -> float:
+    """Fraction of the machine's CPUs busy over the next ``seconds`` (0..1)."""
+    busy0, total0 = cpu_jiffies()
+    time.sleep(seconds)
+    busy1, total1 = cpu_jiffies()
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def wait_for_idle(max_wait: float, threshold: float = 0.15) -> float:
+    """Wait (at most ``max_wait`` s) until other processes use under ``threshold`` of the CPUs; return the last share."""
+    deadline = time.monotonic() + max_wait
+    busy = machine_busy()
+    while busy >= threshold and time.monotonic() < deadline:
+        time.sleep(4.0)
+        busy = machine_busy()
+    return busy
+
+
+def run_one(args: argparse.Namespace, method: str, policy: str, model: str, batch: int) -> dict[str, Any]:
+    """Run one configuration in a fresh process; a crash, kill or timeout becomes a ``failed`` row."""
+    name = f"{model}-B{batch}-T{args.seq_len}-{method}-{policy}"
+    args.logs.mkdir(parents=True, exist_ok=True)
+    log_path = args.logs / f"{name}.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        command = [
+            sys.executable, "-m", "benchmarks.step", "--method", method, "--policy", policy, "--model", model,
+            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+            "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
+            "--device", args.device, "--threads", str(args.threads), "--privatize", args.privatize,
+            "--out", str(out),
+        ]
+        busy_before = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
+        start = time.perf_counter()
+        with open(log_path, "w") as log:
+            log.write(shlex.join(command) + "\n")
+            log.flush()
+            try:
+                done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+                code, problem = done.returncode, None
+            except subprocess.TimeoutExpired:
+                code, problem = None, f"timed out after {args.timeout:.0f} s (--timeout)"
+        wall = time.perf_counter() - start
+        if out.exists():
+            row = json.loads(out.read_text())
+        else:
+            if problem is None:
+                if code is not None and code < 0:
+                    problem = f"killed by signal {signal.Signals(-code).name}" + (
+                        " (out of memory?)" if code == -signal.SIGKILL else "")
+                else:
+                    problem = f"exited with code {code}"
+            tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
+            row = {"method": method, "policy": policy, "model": model, "batch": batch, "seq_len": args.seq_len,
+                   "status": "failed", "message": problem + (f"; last log line: {tail[0][:200]}" if tail else ""),
+                   "step_time_s": None, "peak_mem_mb": None}
+    row["process_wall_s"] = wall
+    row["machine_busy_before"] = busy_before
+    row["log"] = str(log_path.relative_to(ROOT)) if log_path.is_relative_to(ROOT) else str(log_path)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    machine = machine_info(args.threads, args.device)
+    print(f"machine: {report.machine_line(machine)}", flush=True)
+    previous: list[dict[str, Any]] = []
+    results_path = args.out / "results.json"
+    if args.append and results_path.exists():
+        previous = json.loads(results_path.read_text())["rows"]
+    rows: list[dict[str, Any]] = []
+    configs = [tuple(c.split(":")) for c in args.configs]
+    configs.sort(key=lambda c: c[0] != "non_private")  # baselines first
+    suite_start = time.perf_counter()
+    for model in args.models:
+        for batch in args.batch_sizes:
+            for method, policy in configs:
+                print(f"[{time.perf_counter() - suite_start:7.0f} s] {model} B={batch} T={args.seq_len} "
+                      f"{method}:{policy} ...", end=" ", flush=True)
+                row = run_one(args, method, policy, model, batch)
+                for attempt in range(args.retries):
+                    if row["status"] != "ok" or (row.get("others_share") or 0.0) <= BUSY:
+                        break
+                    print(f"(other processes used {row['others_share']:.0%} of the CPUs: retry {attempt + 1})",
+                          end=" ", flush=True)
+                    wait_for_idle(max(args.wait_idle, 180.0))
+                    again = run_one(args, method, policy, model, batch)
+                    if again["status"] == "ok" and again["others_share"] < row["others_share"]:
+                        row = again
+                rows.append(row)
+                timing = f"{row['step_time_s']:.3f} s/step" if row.get("step_time_s") else ""
+                memory = f"{row['peak_mem_mb']:.0f} MB peak" if row.get("peak_mem_mb") else ""
+                print(f"{row['status']} {timing} {memory} {row.get('message', '')[:120]}", flush=True)
+    fresh = {report.row_key(r) for r in rows}
+    rows = [r for r in previous if report.row_key(r) not in fresh] + rows
+    rows.sort(key=lambda r: (r["model"], r["batch"], r["seq_len"]))  # stable: keeps the run order within a size
+    results = {
+        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command,
+        "machine": machine,
+        "git": git_info(),
+        "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
+                     "max_grad_norm": args.max_grad_norm, "privatize": args.privatize, "device": args.device,
+                     "timeout_s": args.timeout, "suite_wall_s": time.perf_counter() - suite_start},
+        "rows": rows,
+    }
+    print(report.write(results, args.out))
+    print(f"wrote {args.out / 'results.json'}, table.md, chart.png", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Time and measure ONE benchmark configuration in this process (``benchmarks.run`` starts one process each).
+
+A configuration is (method, embedding policy, model size, batch size B, sequence length T). Every method trains
+the same randomly initialised GPT2Classifier (label-word head, dropout 0, eager attention, same seed, so the
+same weights) on the same batch of B random token sequences of T real tokens, one full optimizer step per
+iteration:
+
+* ``non_private``: forward, backward of the mean loss, AdamW step.
+* ``dplit_ghost``: dplit's ghost engine (``tied_norm="exact"``) over the whole batch (micro-batch = batch), then
+  DPStrategy's privatisation (add N(0, σ²C²) to the clipped sum, divide by B), AdamW step.
+* ``dplit_per_example``: the same with dplit's materialising reference engine (vmap of per-example grads).
+* ``opacus_hooks`` / ``opacus_ghost``: opacus ``PrivacyEngine.make_private(grad_sample_mode=...)`` on the same
+  module and AdamW; ghost uses the returned loss wrapper (two backward passes inside ``loss.backward()``).
+
+Reports (as JSON, to ``--out``): the median step time over the timed steps after warm-up, peak memory (CUDA max
+allocated on GPU; peak RSS of this process on CPU, from ``resource.getrusage``) and the memory after setup
+(model, optimizer, batch, engine built, before the first step), and ``status`` ok / refused / failed.
+
+Run directly for one configuration, e.g.::
+
+    python -m benchmarks.step --method dplit_ghost --policy tied --model tiny --batch-size 8 --out /tmp/r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
+POLICIES = ("untied", "tied")
+MODELS: dict[str, dict[str, int]] = {
+    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M parameters tied (GPT-2 small)
+    "distilgpt2": {"n_layer": 6, "n_embd": 768, "n_head": 12},  # 82M tied
+    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4},  # the --quick size; still GPT-2's 50257-token vocabulary
+}
+VOCAB_SIZE = 50257
+LABEL_WORD_IDS = [7818, 1049]  # GPT-2 BPE " terrible", " great" (SST-2 label words)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--policy", choices=POLICIES, required=True, help="tied or untied input/output embeddings")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocations, AdamW state)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps; the median is reported")
+    parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier σ (speed does not depend on it)")
+    parser.add_argument("--max-grad-norm", type=float, default=0.1, help="clipping bound C (Li et al. 2021: 0.1)")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:i]")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument(
+        "--privatize",
+        choices=("strategy", "inplace"),
+        default="strategy",
+        help="strategy: as DPStrategy._privatize (one flat fp32 buffer of all clipped sums); inplace: per parameter",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", type=Path, default=None, help="also profile one step; write the op table here")
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
+    return parser.parse_args(argv)
+
+
+def current_rss_mb() -> float:
+    """Resident set size of this process now, in MiB."""
+    with open("/proc/self/statm") as statm:
+        pages = int(statm.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far, from /proc/stat (all CPUs)."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
+    return total - fields[3] - fields[4], total
+
+
+def others_share(before: tuple[int, int], after: tuple[int, int], own_cpu_s: float, wall_s: float) -> float:
+    """Share of all the machine's CPUs used by OTHER processes in an interval (0..1; ±1 tick of resolution)."""
+    busy = (after[0] - before[0]) / max(1, after[1] - before[1])
+    return max(0.0, busy - own_cpu_s / (wall_s * (os.cpu_count() or 1)))
+
+
+def build_model(args: argparse.Namespace, device: Any) -> Any:
+    from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
+    from dplit.model import GPT2Classifier
+
+    embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
+    model = GPT2Classifier(
+        config={**MODELS[args.model], "vocab_size": VOCAB_SIZE, "n_positions": max(1024, args.seq_len)},
+        embeddings=embeddings,
+        head="label_words",
+        label_word_ids=LABEL_WORD_IDS,
+        dropout=0.0,
+        attn_implementation="eager",
+        lr=args.lr,
+    )
+    return model.to(device).train()
+
+
+def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    import torch
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    shape = (args.batch_size, args.seq_len)
+    return {
+        "input_ids": torch.randint(0, VOCAB_SIZE, shape, generator=generator).to(device),
+        "attention_mask": torch.ones(shape, dtype=torch.long).to(device),  # all real tokens, no padding
+        "labels": torch.randint(0, len(LABEL_WORD_IDS), (args.batch_size,), generator=generator).to(device),
+    }
+
+
+def privatize(params: list[Any], args: argparse.Namespace, generator: Any) -> None:
+    """DPStrategy's privatisation on one device: clipped sum + N(0, σ²C²), divided by the batch size."""
+    import torch
+
+    std = args.sigma * args.max_grad_norm
+    if args.privatize == "inplace":
+        for param in params:
+            noise = torch.normal(0.0, std, param.shape, generator=generator, device=param.device)
+            param.grad.add_(noise).div_(args.batch_size)
+        return
+    # as dplit.strategy.DPStrategy._privatize: one flat fp32 buffer (one all-reduce under DDP)
+    flat = torch.cat([p.grad.float().reshape(-1) for p in params])  # [P]
+    flat += torch.normal(0.0, std, flat.shape, generator=generator, device=flat.device)
+    flat /= args.batch_size
+    for param, chunk in zip(params, flat.split([p.numel() for p in params])):
+        param.grad = chunk.view_as(param).to(param.dtype)
+
+
+def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], device: Any) -> Callable[[], None]:
+    """The closure running one full training step of ``args.method``."""
+    import torch
+    import torch.nn.functional as F
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.method == "non_private":
+        optimizer = torch.optim.AdamW(params, lr=args.lr)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model.per_example_loss(batch).mean().backward()
+            optimizer.step()
+
+        return step
+
+    if args.method in ("dplit_ghost", "dplit_per_example"):
+        from dplit.privacy.engine import build_engine
+
+        if args.method == "dplit_ghost":
+            engine = build_engine("ghost", model, max_grad_norm=args.max_grad_norm, tied_norm="exact")
+        else:
+            engine = build_engine("per_example", model, max_grad_norm=args.max_grad_norm)
+        engine.validate(model.per_example_loss, batch)  # as DPStrategy does at setup: refusals surface here
+        optimizer = torch.optim.AdamW(params, lr=args.lr)
+        generator = torch.Generator(device=device).manual_seed(args.seed + 7919)
+
+        def step() -> None:
+            for param in params:
+                param.grad = None
+            engine.accumulate(model.per_example_loss, batch)  # micro-batch = the whole batch
+            privatize(params, args, generator)
+            optimizer.step()
+
+        return step
+
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    mode = args.method.removeprefix("opacus_")
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    dataset = TensorDataset(batch["input_ids"], batch["attention_mask"], batch["labels"])
+    loader = DataLoader(dataset, batch_size=args.batch_size)  # only tells opacus the (expected) batch size
+    privacy = PrivacyEngine()
+    common = dict(
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=args.sigma,
+        max_grad_norm=args.max_grad_norm,
+        poisson_sampling=False,
+        grad_sample_mode=mode,
+    )
+    if mode == "hooks":
+        dp_model, dp_optimizer, _ = privacy.make_private(**common)
+
+        def step() -> None:
+            dp_optimizer.zero_grad(set_to_none=True)
+            logits = dp_model(batch["input_ids"], batch["attention_mask"])
+            F.cross_entropy(logits.float(), batch["labels"]).backward()
+            dp_optimizer.step()
+
+        return step
+
+    dp_model, dp_optimizer, criterion, _ = privacy.make_private(**common, criterion=torch.nn.CrossEntropyLoss())
+
+    def ghost_step() -> None:
+        dp_optimizer.zero_grad(set_to_none=True)
+        logits = dp_model(batch["input_ids"], batch["attention_mask"])
+        criterion(logits.float(), batch["labels"]).backward()  # opacus' two backward passes
+        dp_optimizer.step()
+
+    return ghost_step
+
+
+def classify_error(error: BaseException) -> str:
+    """``refused`` for a library declining the configuration (e.g. opacus ghost on tied weights), else ``failed``."""
+    text = str(error).lower()
+    if isinstance(error, NotImplementedError) or "not supported" in text or "refuse" in text:
+        return "refused"
+    return "failed"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    result: dict[str, Any] = {
+        "method": args.method,
+        "policy": args.policy,
+        "model": args.model,
+        "batch": args.batch_size,
+        "seq_len": args.seq_len,
+        "device": str(device),
+        "memory_kind": "cuda_max_allocated" if cuda else "peak_rss",
+        "threads": torch.get_num_threads(),
+        "privatize": args.privatize if args.method.startswith("dplit") else None,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "sigma": args.sigma,
+        "max_grad_norm": args.max_grad_norm,
+        "status": "ok",
+        "message": "",
+    }
+    rss_at_start = current_rss_mb()
+    torch.manual_seed(args.seed)
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    model = build_model(args, device)
+    result["parameters"] = sum(p.numel() for p in model.parameters())
+    batch = make_batch(args, device)
+    times: list[float] = []
+    cpu_times: list[float] = []
+    shares: list[float] = []  # per step: the share of the machine's CPUs other processes used meanwhile
+    try:
+        step = build_step(args, model, batch, device)
+        result["baseline_mem_mb"] = torch.cuda.memory_allocated(device) / 2**20 if cuda else current_rss_mb()
+        result["setup_rss_mb"] = current_rss_mb()
+        for index in range(args.warmup + args.steps):
+            if cuda:
+                torch.cuda.synchronize(device)
+            jiffies, start, cpu_start = cpu_jiffies(), time.perf_counter(), time.process_time()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
+            shares.append(others_share(jiffies, cpu_jiffies(), cpu_times[-1], times[-1]))
+            print(f"step {index}: {times[-1]:.3f} s wall, {cpu_times[-1]:.3f} s CPU, other processes "
+                  f"{shares[-1]:.0%} of the CPUs", file=sys.stderr, flush=True)
+        if args.profile is not None:
+            profile_one_step(step, args.profile, cuda)
+    except Exception as error:  # noqa: BLE001  (recorded in the result, the run goes on)
+        result["status"] = classify_error(error)
+        result["message"] = f"{type(error).__name__}: {error}".strip()[:500]
+        traceback.print_exc()
+        if cuda and isinstance(error, torch.cuda.OutOfMemoryError):
+            result["message"] = "CUDA out of memory: " + result["message"]
+    timed, ok = times[args.warmup :], result["status"] == "ok"
+    result["step_times_s"] = times
+    result["step_time_s"] = statistics.median(timed) if timed and ok else None
+    result["others_share_per_step"] = shares
+    result["others_share"] = statistics.mean(shares[args.warmup :]) if timed and ok else None
+    result["step_time_min_s"] = min(timed) if timed and ok else None
+    result["step_cpu_s"] = statistics.median(cpu_times[args.warmup :]) if timed and ok else None  # all threads
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["rss_at_start_mb"] = rss_at_start
+    if cuda:
+        result["peak_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        result["peak_mem_mb"] = result["peak_rss_mb"]
+    if result["status"] != "ok":
+        result["peak_mem_mb"] = None  # a refused/failed run's memory says nothing about the method
+    return result
+
+
+def profile_one_step(step: Callable[[], None], path: Path, cuda: bool) -> None:
+    """Profile one more step with torch.profiler; write op tables (self and total time) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True, with_stack=False) as prof:
+        step()
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    averages = prof.key_averages()
+    grouped = prof.key_averages(group_by_input_shape=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "## by op\n"
+        + averages.table(sort_by=sort, row_limit=40)
+        + "\n## by op and input shape\n"
+        + grouped.table(sort_by=sort, row_limit=60)
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: result[k] for k in ("method", "policy", "status", "step_time_s", "peak_mem_mb")}))
+
+
+if __name__ == "__main__":
+    main()
