@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
 from dplit.privacy.engine import Batch, ClippingEngine, at_least_float32, build_engine, trainable_parameters
-from dplit.privacy.sampling import PoissonBatchSampler
+from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,12 @@ class DPStrategy(DDPStrategy):
     once across devices), N(0, σ²C²) noise is added once, the sum is divided by the expected batch size,
     and the optimizer steps. The accountant's ledger is saved in every checkpoint.
 
+    Under data parallelism there is no DDP wrapper: rank 0's weights are broadcast once at setup; each rank
+    Poisson-samples its own shard of the dataset at the global rate q and clips its examples; rank 0 adds
+    the noise to its sum; ONE all-reduce per step (not per micro-batch) gives every rank the same noisy
+    global sum, so every rank takes the same optimizer step. The accountant uses the global q, so ε does
+    not depend on the number of devices (and a run may resume on a different number of them).
+
     Args:
         max_grad_norm: the per-example clipping bound C.
         noise_multiplier: σ; give this or ``target_epsilon``, not both.
@@ -49,9 +55,10 @@ class DPStrategy(DDPStrategy):
         clipping: ``"ghost"`` (norms without per-example gradients, one backward) or ``"per_example"``
             (materialised per-example gradients, the exact reference).
         tied_norm: ``"exact"`` (cross term) or ``"bound"`` (‖G_1‖ + ‖G_2‖) for shared parameters (ghost only).
-        max_physical_batch_size: largest micro-batch run through the model at once.
+        max_physical_batch_size: largest micro-batch run through the model at once (per device).
         seed: seed of the sampling and noise generators; default ``torch.initial_seed()``
-            (so ``seed_everything`` makes runs reproducible).
+            (so ``seed_everything`` makes runs reproducible). Each rank samples its own stream; only
+            rank 0 draws noise; a resumed run continues with fresh streams (the steps taken are mixed in).
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
     """
 
@@ -93,6 +100,7 @@ class DPStrategy(DDPStrategy):
         self._dataset_size: int | None = None
         self._clipped_sums: dict[nn.Parameter, Tensor] = {}
         self._noise_generator: torch.Generator | None = None
+        self._ledger_dir: str | None = None
 
     @property
     def max_grad_norm(self) -> float:
@@ -131,12 +139,13 @@ class DPStrategy(DDPStrategy):
         super().setup(trainer)
         options = {"tied_norm": self._tied_norm} if self._clipping == "ghost" else {}
         self._engine = build_engine(self._clipping, module, max_grad_norm=self._max_grad_norm, **options)
-        seed = self._seed if self._seed is not None else torch.initial_seed()
-        self._noise_generator = torch.Generator(device=self.root_device).manual_seed(seed + 7919)
 
     @override
     def configure_ddp(self) -> None:
-        """No DDP wrapper (its hooks would all-reduce unclipped gradients): only broadcast rank 0's weights."""
+        """No DDP wrapper (its hooks would all-reduce unclipped gradients): only broadcast rank 0's weights.
+
+        Lightning calls this before the optimizers are created, so they see the broadcast weights.
+        """
         if self.world_size > 1:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
@@ -154,14 +163,13 @@ class DPStrategy(DDPStrategy):
         if batch_size is None or not 0 < batch_size <= size:
             raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
         self._dataset_size, self._sample_rate = size, batch_size / size
-        seed = self._seed if self._seed is not None else torch.initial_seed()
         sampler = PoissonBatchSampler(
             dataset_size=size,
             sample_rate=self._sample_rate,
             steps=max(1, round(size / batch_size)),
             num_replicas=self.world_size,
             rank=self.global_rank,
-            seed=seed,
+            seed=self._stream_seed("sampling"),
         )
         return DataLoader(
             dataloader.dataset,
@@ -182,6 +190,9 @@ class DPStrategy(DDPStrategy):
         self._accountant = PrivacyAccountant(delta=delta, mechanism=self._mechanism)
         if self._restored_ledger is not None:
             self._accountant.load_state_dict(self._restored_ledger["accountant"])
+        if self.is_global_zero:  # the only rank that draws noise
+            self._noise_generator = torch.Generator(device=self.root_device).manual_seed(self._stream_seed("noise"))
+        self._ledger_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
         if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
             restored = self._restored_ledger["noise_multiplier"] if self._restored_ledger else None
             self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
@@ -190,6 +201,16 @@ class DPStrategy(DDPStrategy):
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
             f"steps so far {self._accountant.steps}"
         )
+
+    def _stream_seed(self, stream: str) -> int:
+        """Seed of one random stream, fresh after a resume: (seed, stream, DP steps already in the ledger)."""
+        seed = self._seed if self._seed is not None else torch.initial_seed()
+        if self._accountant is not None:
+            steps = self._accountant.steps
+        else:
+            history = self._restored_ledger["accountant"]["history"] if self._restored_ledger else []
+            steps = sum(int(count) for _, _, count in history)
+        return derive_seed(seed, stream, steps)
 
     def _calibrate(self, delta: float) -> float:
         planned = self.lightning_module.trainer.estimated_stepping_batches
@@ -257,28 +278,41 @@ class DPStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)
 
     def _privatize(self, optimizer: Optimizer) -> None:
-        """All-reduce the clipped sums once, add N(0, σ²C²) once, divide by the expected batch size."""
+        """All-reduce the clipped sums once, with N(0, σ²C²) added once (rank 0), and divide by q·N."""
         assert self._accountant is not None and self._noise_multiplier is not None
         sigma, rate = self._noise_multiplier, self._sample_rate
         epsilon = self._accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        if self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9):
+        exceeds = self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
+        flat = self._global_noisy_sum(params, stop=self.is_global_zero and exceeds)
+        if flat[-1] > 0:  # rank 0's decision, so every rank refuses the same steps
             self._refuse_step(params, epsilon)
             return
-        sums = [self._clipped_sums.get(p, torch.zeros_like(p)) for p in params]
-        self._clipped_sums = {}
-        flat = torch.cat([at_least_float32(s).reshape(-1) for s in sums])  # [P]: one buffer, one all-reduce
-        if self.global_rank == 0 and sigma > 0:
-            flat += torch.normal(
-                0.0, sigma * self._max_grad_norm, flat.shape, generator=self._noise_generator, device=flat.device
-            )
-        if self.world_size > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat /= self.expected_batch_size
+        flat = flat[:-1] / self.expected_batch_size
         for param, chunk in zip(params, flat.split([p.numel() for p in params])):
             param.grad = chunk.view_as(param).to(param.dtype)
         self._accountant.step(noise_multiplier=sigma, sample_rate=rate)
         self._log_privacy(epsilon)
+
+    def _global_noisy_sum(self, params: list[nn.Parameter], stop: bool) -> Tensor:
+        """[P + 1]: Σ over ranks of the clipped sums plus rank 0's noise, then rank 0's stop flag; one all-reduce."""
+        sums = [at_least_float32(self._clipped_sums.get(p, torch.zeros_like(p))).reshape(-1) for p in params]
+        self._clipped_sums = {}
+        dtype = sums[0].dtype if sums else torch.float32
+        flat = torch.cat([*sums, torch.full((1,), float(stop), dtype=dtype, device=self.root_device)])
+        if self.is_global_zero and self._noise_multiplier > 0 and not stop:
+            noise = torch.normal(
+                0.0,
+                self._noise_multiplier * self._max_grad_norm,
+                (flat.numel() - 1,),
+                generator=self._noise_generator,
+                dtype=flat.dtype,
+                device=flat.device,
+            )
+            flat[:-1] += noise
+        if self.world_size > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's gradient all-reduce
+        return flat
 
     def _refuse_step(self, params: list[nn.Parameter], epsilon: float) -> None:
         for param in params:
@@ -300,10 +334,9 @@ class DPStrategy(DDPStrategy):
 
     def _write_ledger(self, epsilon: float) -> None:
         """Keep ``privacy_ledger.json`` in the log folder current (atomic replace), for audit and crashes."""
-        folder = self.lightning_module.trainer.log_dir
-        if folder is None:
+        if self._ledger_dir is None:
             return
-        path = Path(folder) / "privacy_ledger.json"
+        path = Path(self._ledger_dir) / "privacy_ledger.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(".json.tmp")
         temporary.write_text(json.dumps({**self._ledger_state(), "epsilon": epsilon}, indent=1))

@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Sampler
 
 
+def derive_seed(*parts: int | str) -> int:
+    """A seed in [0, 2⁶³) determined by ``parts``: distinct parts give unrelated generator streams."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 class PoissonBatchSampler(Sampler[list[int]]):
     """Yields ``steps`` logical batches; each example of this replica's shard is in a batch with probability q.
 
     Under data parallelism the dataset is split into ``num_replicas`` disjoint shards (index ``rank``,
-    ``rank + num_replicas``, ...); every replica samples its own shard at the same rate, so the union
-    over replicas is a Poisson sample of the whole dataset at rate q. Batches may be empty.
+    ``rank + num_replicas``, ...); every replica samples its own shard at the same rate q with its own
+    generator stream (derived from ``seed`` and ``rank``), so every example of the whole dataset joins
+    the union of the replicas' batches independently with probability q: a Poisson sample at rate q.
+    Batches may be empty.
 
     Args:
         dataset_size: number of examples N in the whole dataset.
@@ -21,7 +30,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         steps: batches per epoch.
         num_replicas: number of data-parallel processes.
         rank: this process' index among them.
-        seed: seed of this sampler's own generator (combined with ``rank``).
+        seed: any integer (e.g. ``torch.initial_seed()``); the generator is seeded from (``seed``, ``rank``).
     """
 
     def __init__(
@@ -38,10 +47,12 @@ class PoissonBatchSampler(Sampler[list[int]]):
             raise ValueError("the training dataset is empty: nothing to sample")
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
         self._shard = torch.arange(rank, dataset_size, num_replicas)
         self._sample_rate = sample_rate
         self._steps = steps
-        self._generator = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+        self._generator = torch.Generator().manual_seed(derive_seed(seed, rank))
 
     def __len__(self) -> int:
         return self._steps
