@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
-from dplit.privacy.engine import Batch, ClippingEngine, at_least_float32, build_engine, trainable_parameters
+from dplit.privacy.engine import Batch, ClippingEngine, build_engine, trainable_parameters
+from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class DPStrategy(DDPStrategy):
         self._restored_ledger: dict[str, Any] | None = None
         self._sample_rate: float | None = None
         self._dataset_size: int | None = None
-        self._clipped_sums: dict[nn.Parameter, Tensor] = {}
+        self._buffer: GradientBuffer | None = None
         self._noise_generator: torch.Generator | None = None
         self._ledger_dir: str | None = None
 
@@ -190,6 +191,7 @@ class DPStrategy(DDPStrategy):
         self._accountant = PrivacyAccountant(delta=delta, mechanism=self._mechanism)
         if self._restored_ledger is not None:
             self._accountant.load_state_dict(self._restored_ledger["accountant"])
+        self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
         if self.is_global_zero:  # the only rank that draws noise
             self._noise_generator = torch.Generator(device=self.root_device).manual_seed(self._stream_seed("noise"))
         self._ledger_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
@@ -227,22 +229,18 @@ class DPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Clip every example of the logical batch, micro-batch by micro-batch; keep the clipped sum."""
+        """Clip every example of the logical batch, micro-batch by micro-batch, into the gradient buffer."""
         batch: Batch = args[0]
         module = self.lightning_module
-        params = trainable_parameters(module)
-        for param in params.values():
-            param.grad = None
+        assert self._engine is not None and self._buffer is not None
+        self._buffer.attach()
         losses, norms = [], []
         with self.precision_plugin.train_step_context():
             for micro_batch in _split(batch, self._max_physical_batch_size):
-                assert self._engine is not None
                 stats = self._engine.accumulate(module.per_example_loss, micro_batch)
                 losses.append(stats.losses)
                 norms.append(stats.norms)
-        self._clipped_sums = {p: p.grad for p in params.values() if p.grad is not None}
-        for param in params.values():
-            param.grad = None
+        self._buffer.detach()
         return self._log_batch(module, losses, norms)
 
     def _log_batch(self, module: LightningModule, losses: list[Tensor], norms: list[Tensor]) -> Tensor:
@@ -279,45 +277,29 @@ class DPStrategy(DDPStrategy):
 
     def _privatize(self, optimizer: Optimizer) -> None:
         """All-reduce the clipped sums once, with N(0, σ²C²) added once (rank 0), and divide by q·N."""
-        assert self._accountant is not None and self._noise_multiplier is not None
+        assert self._accountant is not None and self._noise_multiplier is not None and self._buffer is not None
         sigma, rate = self._noise_multiplier, self._sample_rate
         epsilon = self._accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         exceeds = self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
-        flat = self._global_noisy_sum(params, stop=self.is_global_zero and exceeds)
-        if flat[-1] > 0:  # rank 0's decision, so every rank refuses the same steps
-            self._refuse_step(params, epsilon)
+        self._global_noisy_sum(stop=self.is_global_zero and exceeds)
+        if self._buffer.extra[0] > 0:  # rank 0's decision, so every rank refuses the same steps
+            self._refuse_step(epsilon)
             return
-        flat = flat[:-1] / self.expected_batch_size
-        for param, chunk in zip(params, flat.split([p.numel() for p in params])):
-            param.grad = chunk.view_as(param).to(param.dtype)
+        self._buffer.publish(self.expected_batch_size)
         self._accountant.step(noise_multiplier=sigma, sample_rate=rate)
         self._log_privacy(epsilon)
 
-    def _global_noisy_sum(self, params: list[nn.Parameter], stop: bool) -> Tensor:
-        """[P + 1]: Σ over ranks of the clipped sums plus rank 0's noise, then rank 0's stop flag; one all-reduce."""
-        sums = [at_least_float32(self._clipped_sums.get(p, torch.zeros_like(p))).reshape(-1) for p in params]
-        self._clipped_sums = {}
-        dtype = sums[0].dtype if sums else torch.float32
-        flat = torch.cat([*sums, torch.full((1,), float(stop), dtype=dtype, device=self.root_device)])
+    def _global_noisy_sum(self, stop: bool) -> None:
+        """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
+        assert self._buffer is not None and self._noise_multiplier is not None
+        self._buffer.extra.fill_(float(stop))
         if self.is_global_zero and self._noise_multiplier > 0 and not stop:
-            noise = torch.normal(
-                0.0,
-                self._noise_multiplier * self._max_grad_norm,
-                (flat.numel() - 1,),
-                generator=self._noise_generator,
-                dtype=flat.dtype,
-                device=flat.device,
-            )
-            flat[:-1] += noise
+            assert self._noise_generator is not None
+            self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, self._noise_generator)
         if self.world_size > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's gradient all-reduce
-        return flat
+            dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
 
-    def _refuse_step(self, params: list[nn.Parameter], epsilon: float) -> None:
-        for param in params:
-            param.grad = None
-        self._clipped_sums = {}
+    def _refuse_step(self, epsilon: float) -> None:
         self.lightning_module.trainer.should_stop = True
         rank_zero_info(
             f"DP-SGD: stopping before step {self._accountant.steps + 1}: it would spend ε={epsilon:.4f} "

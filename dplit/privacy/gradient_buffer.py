@@ -1,0 +1,58 @@
+"""One contiguous buffer for the summed clipped gradients: no copies to flatten, noise in place, one all-reduce."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class GradientBuffer:
+    """The clipped-gradient sum of every trainable parameter in one flat tensor, plus ``extra`` scalar slots.
+
+    While attached, each parameter's ``grad`` is a view into the buffer, so a clipping engine's in-place
+    accumulation lands in it directly. The buffer is kept in float32 (float64 for float64 parameters); a
+    parameter of another dtype (e.g. bf16 weights) is accumulated in its own ``grad`` and folded in by
+    :meth:`detach`.
+
+    Args:
+        parameters: the trainable parameters, in a fixed order.
+        extra: scalar slots after the gradients (e.g. a flag that travels in the same all-reduce).
+    """
+
+    def __init__(self, parameters: list[nn.Parameter], *, extra: int = 0) -> None:
+        dtype = torch.float64 if any(p.dtype == torch.float64 for p in parameters) else torch.float32
+        device = parameters[0].device if parameters else torch.device("cpu")
+        self._parameters = parameters
+        self._sizes = [p.numel() for p in parameters]
+        self._total = sum(self._sizes)
+        self.flat = torch.zeros(self._total + extra, dtype=dtype, device=device)
+        self._views = [chunk.view_as(p) for chunk, p in zip(self.flat[: self._total].split(self._sizes), parameters)]
+
+    @property
+    def extra(self) -> Tensor:
+        """The scalar slots after the gradients."""
+        return self.flat[self._total :]
+
+    def attach(self) -> None:
+        """Zero the buffer and make every matching-dtype parameter's ``grad`` a view into it."""
+        self.flat.zero_()
+        for param, view in zip(self._parameters, self._views):
+            param.grad = view if param.dtype == view.dtype else None
+
+    def detach(self) -> None:
+        """Fold gradients held outside the buffer into it; leave every ``grad`` ``None``."""
+        for param, view in zip(self._parameters, self._views):
+            if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                view.add_(param.grad.to(view.dtype))
+            param.grad = None
+
+    def add_noise(self, std: float, generator: torch.Generator) -> None:
+        """Add N(0, std²) to every gradient entry, one parameter at a time (no buffer-sized temporary)."""
+        for view in self._views:
+            view.add_(torch.empty_like(view).normal_(0.0, std, generator=generator))
+
+    def publish(self, scale: float) -> None:
+        """Divide the gradients by ``scale`` and hand them to the parameters as their ``grad``."""
+        for param, view in zip(self._parameters, self._views):
+            view.div_(scale)
+            param.grad = view if param.dtype == view.dtype else view.to(param.dtype)

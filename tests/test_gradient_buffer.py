@@ -1,0 +1,53 @@
+"""GradientBuffer: gradients as views of one flat tensor, noise in place, publication."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dplit.privacy.gradient_buffer import GradientBuffer
+
+
+def test_accumulation_lands_in_the_flat_buffer_without_copies() -> None:
+    params = [nn.Parameter(torch.ones(3, 2)), nn.Parameter(torch.ones(4))]
+    buffer = GradientBuffer(params, extra=1)
+    buffer.attach()
+    params[0].grad.add_(2.0)
+    params[1].grad.add_(torch.arange(4.0))
+    buffer.detach()
+    assert all(p.grad is None for p in params)
+    torch.testing.assert_close(buffer.flat, torch.tensor([2.0] * 6 + [0.0, 1.0, 2.0, 3.0] + [0.0]))
+    buffer.attach()
+    assert buffer.flat.abs().sum() == 0 and params[0].grad.data_ptr() == buffer.flat.data_ptr()
+
+
+def test_other_dtype_parameters_are_folded_in_at_fp32() -> None:
+    params = [nn.Parameter(torch.ones(2, dtype=torch.bfloat16)), nn.Parameter(torch.ones(2))]
+    buffer = GradientBuffer(params)
+    buffer.attach()
+    assert params[0].grad is None
+    params[0].grad = torch.full((2,), 0.5, dtype=torch.bfloat16)
+    buffer.detach()
+    assert buffer.flat.dtype == torch.float32
+    torch.testing.assert_close(buffer.flat, torch.tensor([0.5, 0.5, 0.0, 0.0]))
+    buffer.publish(2.0)
+    assert params[0].grad.dtype == torch.bfloat16 and params[1].grad.dtype == torch.float32
+    torch.testing.assert_close(params[0].grad.float(), torch.tensor([0.25, 0.25]))
+
+
+def test_noise_has_the_asked_std_and_spares_the_extra_slots() -> None:
+    params = [nn.Parameter(torch.zeros(100, 100)), nn.Parameter(torch.zeros(50_000))]
+    buffer = GradientBuffer(params, extra=1)
+    buffer.attach()
+    buffer.extra.fill_(7.0)
+    buffer.add_noise(0.3, torch.Generator().manual_seed(0))
+    assert buffer.extra.item() == 7.0
+    assert buffer.flat[:-1].std().item() == pytest.approx(0.3, rel=0.02)
+    buffer.publish(3.0)
+    assert params[1].grad.std().item() == pytest.approx(0.1, rel=0.02)
+
+
+def test_float64_parameters_keep_a_float64_buffer() -> None:
+    buffer = GradientBuffer([nn.Parameter(torch.zeros(2, dtype=torch.float64))])
+    assert buffer.flat.dtype == torch.float64
