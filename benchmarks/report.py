@@ -25,9 +25,19 @@ Row = dict[str, Any]
 GroupKey = tuple[str, int, int]
 
 
-def row_key(row: Row) -> tuple[str, str, str, int, int]:
-    """A configuration's identity: (method, policy, model, batch, seq_len)."""
-    return (row["method"], row["policy"], row["model"], row["batch"], row["seq_len"])
+PRIVATIZE_NAMES = {"flat": "flat noise", "per_parameter": "per-param noise"}
+"""Labels of the non-default noise steps of dplit rows (the default, ``strategy``, is DPStrategy's own)."""
+
+
+def row_key(row: Row) -> tuple[str, str, str, int, int, str | None]:
+    """A configuration's identity: (method, policy, model, batch, seq_len, noise step of dplit rows)."""
+    return (row["method"], row["policy"], row["model"], row["batch"], row["seq_len"], row.get("privatize"))
+
+
+def display_name(row: Row) -> str:
+    """'dplit ghost', or 'dplit ghost [flat noise]' for a non-default noise step."""
+    variant = PRIVATIZE_NAMES.get(row.get("privatize") or "")
+    return METHOD_NAMES[row["method"]] + (f" [{variant}]" if variant else "")
 
 
 def group_key(row: Row) -> GroupKey:
@@ -43,8 +53,13 @@ def groups(rows: Iterable[Row]) -> dict[GroupKey, list[Row]]:
     return out
 
 
-def _find(rows: list[Row], method: str, policy: str) -> Row | None:
-    return next((r for r in rows if r["method"] == method and r["policy"] == policy), None)
+def _find(rows: list[Row], method: str, policy: str, privatize: str = "strategy") -> Row | None:
+    """The row of (method, policy); for dplit methods the one with noise step ``privatize``."""
+    return next(
+        (r for r in rows if r["method"] == method and r["policy"] == policy
+         and (not method.startswith("dplit") or (r.get("privatize") or "strategy") == privatize)),
+        None,
+    )
 
 
 def _ok(row: Row | None) -> bool:
@@ -70,45 +85,61 @@ def evaluate_targets(rows: list[Row]) -> list[dict[str, Any]]:
     """
     results: list[dict[str, Any]] = []
     for (model, batch, seq_len), group in groups(rows).items():
-        official = {"model": model, "batch": batch, "seq_len": seq_len} == TARGET_SIZE
-        plain_u, plain_t = _find(group, "non_private", "untied"), _find(group, "non_private", "tied")
-        ghost_u, ghost_t = _find(group, "dplit_ghost", "untied"), _find(group, "dplit_ghost", "tied")
-        materialised = _find(group, "dplit_per_example", "tied")
-        opacus_ghost = _find(group, "opacus_ghost", "untied")
+        variants = ["strategy"] + sorted({r["privatize"] for r in group if r["method"] == "dplit_ghost"
+                                         and r.get("privatize") not in (None, "strategy")})
+        for privatize in variants:
+            results += _targets_of(group, model, batch, seq_len, privatize)
+    return results
 
-        def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str) -> None:
-            if not all(_ok(r) for r in needed):
-                results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
-                                "target": name, "value": None, "limit": limit, "met": None,
-                                "detail": "not measured (a configuration is missing, refused or failed)"})
-                return
-            measured = value()
+
+def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatize: str) -> list[dict[str, Any]]:
+    """The targets for one size, with the dplit rows of noise step ``privatize``."""
+    results: list[dict[str, Any]] = []
+    official = {"model": model, "batch": batch, "seq_len": seq_len} == TARGET_SIZE
+    variant = PRIVATIZE_NAMES.get(privatize)
+    plain_u, plain_t = _find(group, "non_private", "untied"), _find(group, "non_private", "tied")
+    ghost_u, ghost_t = _find(group, "dplit_ghost", "untied", privatize), _find(group, "dplit_ghost", "tied", privatize)
+    materialised = _find(group, "dplit_per_example", "tied", privatize) or _find(group, "dplit_per_example", "tied")
+    opacus_ghost = _find(group, "opacus_ghost", "untied")
+
+    def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str) -> None:
+        name = name + (f" [dplit with {variant}]" if variant else "")
+        if not all(_ok(r) for r in needed):
             results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
-                            "target": name, "value": measured, "limit": limit, "met": bool(measured <= limit),
-                            "detail": text.format(v=measured, limit=limit)})
+                            "target": name, "value": None, "limit": limit, "met": None,
+                            "detail": "not measured (a configuration is missing, refused or failed)"})
+            return
+        measured = value()
+        results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
+                        "target": name, "value": measured, "limit": limit, "met": bool(measured <= limit),
+                        "detail": text.format(v=measured, limit=limit)})
 
-        check("ghost untied step time <= 1.3x non-private", [ghost_u, plain_u],
-              lambda: ghost_u["step_time_s"] / plain_u["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)")
-        check("ghost untied peak memory <= 1.15x non-private", [ghost_u, plain_u],
-              lambda: ghost_u["peak_mem_mb"] / plain_u["peak_mem_mb"], 1.15, "{v:.2f}x (limit {limit}x)")
-        check("ghost tied step time <= 1.1x ghost untied", [ghost_t, ghost_u],
-              lambda: ghost_t["step_time_s"] / ghost_u["step_time_s"], 1.1, "{v:.2f}x (limit {limit}x)")
-        check("ghost tied peak memory <= 1.1x ghost untied", [ghost_t, ghost_u],
-              lambda: ghost_t["peak_mem_mb"] / ghost_u["peak_mem_mb"], 1.1, "{v:.2f}x (limit {limit}x)")
+    check("ghost untied step time <= 1.3x non-private", [ghost_u, plain_u],
+          lambda: ghost_u["step_time_s"] / plain_u["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)")
+    check("ghost untied peak memory <= 1.15x non-private", [ghost_u, plain_u],
+          lambda: ghost_u["peak_mem_mb"] / plain_u["peak_mem_mb"], 1.15, "{v:.2f}x (limit {limit}x)")
+    check("ghost tied step time <= 1.1x ghost untied", [ghost_t, ghost_u],
+          lambda: ghost_t["step_time_s"] / ghost_u["step_time_s"], 1.1, "{v:.2f}x (limit {limit}x)")
+    check("ghost tied peak memory <= 1.1x ghost untied", [ghost_t, ghost_u],
+          lambda: ghost_t["peak_mem_mb"] / ghost_u["peak_mem_mb"], 1.1, "{v:.2f}x (limit {limit}x)")
 
-        def overhead_fraction() -> float:
-            ghost = ghost_t["peak_mem_mb"] - plain_t["peak_mem_mb"]
-            baseline = materialised["peak_mem_mb"] - plain_t["peak_mem_mb"]
-            return ghost / baseline if baseline > 0 else float("inf")
+    def overhead_fraction() -> float:
+        ghost = ghost_t["peak_mem_mb"] - plain_t["peak_mem_mb"]
+        baseline = materialised["peak_mem_mb"] - plain_t["peak_mem_mb"]
+        return ghost / baseline if baseline > 0 else float("inf")
 
-        check("tied DP memory overhead >= 60% smaller than per-example (materialising) tied", [ghost_t, plain_t,
-              materialised], overhead_fraction, 0.4,
-              "ghost overhead is {v:.0%} of the materialising overhead (limit 40%, i.e. at least 60% smaller)")
-        check("ghost untied faster than opacus ghost (untied)", [ghost_u, opacus_ghost],
-              lambda: ghost_u["step_time_s"] / opacus_ghost["step_time_s"], 1.0,
-              "dplit takes {v:.2f}x opacus ghost's step time (must be < 1)")
-        if results and results[-1]["met"] is not None:  # strictly faster
-            results[-1]["met"] = bool(results[-1]["value"] < 1.0)
+    check("tied DP memory overhead >= 60% smaller than per-example (materialising) tied", [ghost_t, plain_t,
+          materialised], overhead_fraction, 0.4,
+          "ghost overhead is {v:.0%} of the materialising overhead (limit 40%, i.e. at least 60% smaller)")
+    if results[-1]["met"] is not None:
+        ghost, baseline = (r["peak_mem_mb"] - plain_t["peak_mem_mb"] for r in (ghost_t, materialised))
+        results[-1]["detail"] = (f"peak − non-private tied peak: ghost {ghost:+.0f} MB, materialising {baseline:+.0f} MB "
+                                 f"(ghost's is {results[-1]['value']:.0%} of it; limit 40%)")
+    check("ghost untied faster than opacus ghost (untied)", [ghost_u, opacus_ghost],
+          lambda: ghost_u["step_time_s"] / opacus_ghost["step_time_s"], 1.0,
+          "dplit takes {v:.2f}x opacus ghost's step time (must be < 1)")
+    if results[-1]["met"] is not None:  # strictly faster
+        results[-1]["met"] = bool(results[-1]["value"] < 1.0)
     return results
 
 
@@ -126,6 +157,13 @@ def machine_line(machine: dict[str, Any]) -> str:
     )
 
 
+def _step_counts(rows: list[Row], settings: dict[str, Any]) -> str:
+    """'3 timed steps after 2 warm-up', or each combination used when rows were measured differently."""
+    counts = sorted({(r.get("steps", settings["steps"]), r.get("warmup", settings["warmup"])) for r in rows})
+    return " or ".join(f"{steps} timed steps after {warmup} warm-up" for steps, warmup in counts) + (
+        " (see each row's `steps` in results.json)" if len(counts) > 1 else "")
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The markdown report: machine, settings, one table per size, the targets."""
     machine, settings, rows = results["machine"], results["settings"], results["rows"]
@@ -138,9 +176,10 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"One optimizer step (forward, backward, clipping, noise σ={settings['sigma']}, C={settings['max_grad_norm']}, "
         f"AdamW) on a random-init label-word GPT2Classifier, random tokens (all real, no padding), each configuration "
-        f"in its own process. Step time: median of {settings['steps']} timed steps after {settings['warmup']} "
-        f"warm-up (wall clock; `CPU s` is process CPU time, all threads). Memory: {memory} "
-        "(`after setup`: model, optimizer, batch and engine built, before the first step). Ratios are to "
+        f"in its own process. Step time: median of {_step_counts(rows, settings)} "
+        f"(wall clock; `CPU s` is process CPU time, all threads). Memory: {memory} "
+        "(`after model`: once the model and the batch exist, before the method's optimizer, engine or opacus "
+        "wrapper; `peak − model` is what the method's training step adds). Ratios are to "
         "non-private training of the same model (same size and embedding policy) in the same run.",
         "",
     ]
@@ -157,7 +196,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"## {model}, B = {batch}, T = {seq_len}" + (f" ({counts})" if counts else ""), ""]
         lines += [
             "| method | embeddings | status | step time (s) | × non-private | CPU s | peak mem (MB) | × non-private "
-            "| after setup (MB) | peak − setup (MB) | others | note |",
+            "| after model (MB) | peak − model (MB) | others | note |",
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in group:
@@ -166,7 +205,7 @@ def markdown(results: dict[str, Any]) -> str:
             if row["status"] == "refused":
                 note = "method refused: " + note
             lines.append(
-                f"| {METHOD_NAMES[row['method']]} | {row['policy']} | {row['status']} | "
+                f"| {display_name(row)} | {row['policy']} | {row['status']} | "
                 f"{_fmt(row.get('step_time_s'), '.3f')} | {_fmt(row.get('step_time_ratio'), '.2f')} | "
                 f"{_fmt(row.get('step_cpu_s'), '.2f')} | {_fmt(row.get('peak_mem_mb'), '.0f')} | "
                 f"{_fmt(row.get('peak_mem_ratio'), '.2f')} | {_fmt(row.get('baseline_mem_mb'), '.0f')} | "
@@ -203,7 +242,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(len(by_size), 2, figsize=(14, 4.0 * len(by_size)), squeeze=False)
     for (model, batch, seq_len), axis_pair in zip(by_size, axes):
         group = by_size[(model, batch, seq_len)]
-        labels = [METHOD_NAMES[r["method"]].replace(" ", "\n") + f"\n{r['policy']}" for r in group]
+        labels = [display_name(r).replace(" [", "\n[").replace(" ", "\n", 1) + f"\n{r['policy']}" for r in group]
         for axis, field, title, limit in (
             (axis_pair[0], "step_time_ratio", "step time / non-private", 1.3),
             (axis_pair[1], "peak_mem_ratio", "peak memory / non-private", 1.15),

@@ -2,7 +2,7 @@
 
     python -m benchmarks.run --quick              # tiny model, B=8, T=128: a few minutes on 2 CPU cores
     python -m benchmarks.run                      # GPT-2 and DistilGPT-2 size, B in {8, 16}, T=128 (hours on CPU)
-    python -m benchmarks.run --models gpt2 --batch-sizes 16 --warmup 2 --steps 3   # the size the targets are for
+    python -m benchmarks.run --models gpt2 --batch-sizes 16     # the size the targets are stated for
 
 Configurations (``method:policy``), all on the same random-init label-word GPT2Classifier, batch and length:
 non-private (tied and untied, the baselines of the ratios), dplit ghost (untied, tied), dplit per-example tied
@@ -26,8 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from benchmarks.step import cpu_jiffies
+if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import report  # noqa: E402
+from benchmarks.step import PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = 0.15
@@ -53,16 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
         "--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="METHOD:POLICY",
-        help="configurations to run (default: all); non_private of a policy is needed for that policy's ratios",
+        help="configurations to run (default: all listed above); non_private of a policy is needed for that policy's "
+        "ratios; dplit ones take an optional noise-step variant, e.g. dplit_ghost:untied:flat (see --privatize)",
     )
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps, median reported (default 5 quick, 3 full)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 300 quick, 3600)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:i]")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
-    parser.add_argument("--privatize", choices=("strategy", "inplace"), default="strategy")
+    parser.add_argument("--privatize", choices=PRIVATIZE_MODES, default="strategy",
+                        help="noise step of dplit configurations without a :PRIVATIZE suffix (see benchmarks.step)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default benchmarks/results/quick with --quick, else benchmarks/results)")
     parser.add_argument("--append", action="store_true",
@@ -79,14 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.models = args.models or (["tiny"] if args.quick else ["gpt2", "distilgpt2"])
     args.batch_sizes = args.batch_sizes or ([8] if args.quick else [8, 16])
-    args.warmup = args.warmup if args.warmup is not None else 2
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)  # see README: steady state
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
     args.out = args.out or ROOT / "benchmarks" / "results" / ("quick" if args.quick else "")
+    configs = []
     for config in args.configs:
-        method, _, policy = config.partition(":")
-        if method not in report.METHOD_NAMES or policy not in ("tied", "untied"):
-            parser.error(f"bad configuration {config!r}: use METHOD:POLICY, e.g. dplit_ghost:tied")
+        method, policy, privatize = (config.split(":") + [""])[:3]
+        if method not in report.METHOD_NAMES or policy not in ("tied", "untied") or config.count(":") > 2 or (
+            privatize and (privatize not in PRIVATIZE_MODES or not method.startswith("dplit"))
+        ):
+            parser.error(f"bad configuration {config!r}: use METHOD:POLICY[:PRIVATIZE], e.g. dplit_ghost:tied or "
+                         f"dplit_ghost:untied:flat ({', '.join(PRIVATIZE_MODES)}; dplit methods only)")
+        configs.append((method, policy, privatize or args.privatize))
+    args.configs = configs
     return args
 
 
@@ -155,9 +166,18 @@ def wait_for_idle(max_wait: float, threshold: float = 0.15) -> float:
     return busy
 
 
-def run_one(args: argparse.Namespace, method: str, policy: str, model: str, batch: int) -> dict[str, Any]:
+def child_environment() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (opacus 1.6 installs a top-level ``benchmarks``)."""
+    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def run_one(
+    args: argparse.Namespace, method: str, policy: str, privatize: str, model: str, batch: int
+) -> dict[str, Any]:
     """Run one configuration in a fresh process; a crash, kill or timeout becomes a ``failed`` row."""
-    name = f"{model}-B{batch}-T{args.seq_len}-{method}-{policy}"
+    dplit = method.startswith("dplit")
+    name = f"{model}-B{batch}-T{args.seq_len}-{method}-{policy}" + (f"-{privatize}" if dplit else "")
     args.logs.mkdir(parents=True, exist_ok=True)
     log_path = args.logs / f"{name}.log"
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,7 +186,7 @@ def run_one(args: argparse.Namespace, method: str, policy: str, model: str, batc
             sys.executable, "-m", "benchmarks.step", "--method", method, "--policy", policy, "--model", model,
             "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
             "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
-            "--device", args.device, "--threads", str(args.threads), "--privatize", args.privatize,
+            "--device", args.device, "--threads", str(args.threads), "--privatize", privatize,
             "--out", str(out),
         ]
         busy_before = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
@@ -175,7 +195,8 @@ def run_one(args: argparse.Namespace, method: str, policy: str, model: str, batc
             log.write(shlex.join(command) + "\n")
             log.flush()
             try:
-                done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+                done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
+                                      env=child_environment())
                 code, problem = done.returncode, None
             except subprocess.TimeoutExpired:
                 code, problem = None, f"timed out after {args.timeout:.0f} s (--timeout)"
@@ -190,7 +211,8 @@ def run_one(args: argparse.Namespace, method: str, policy: str, model: str, batc
                 else:
                     problem = f"exited with code {code}"
             tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
-            row = {"method": method, "policy": policy, "model": model, "batch": batch, "seq_len": args.seq_len,
+            row = {"method": method, "policy": policy, "privatize": privatize if dplit else None, "model": model,
+                   "batch": batch, "seq_len": args.seq_len,
                    "status": "failed", "message": problem + (f"; last log line: {tail[0][:200]}" if tail else ""),
                    "step_time_s": None, "peak_mem_mb": None}
     row["process_wall_s"] = wall
@@ -209,22 +231,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.append and results_path.exists():
         previous = json.loads(results_path.read_text())["rows"]
     rows: list[dict[str, Any]] = []
-    configs = [tuple(c.split(":")) for c in args.configs]
-    configs.sort(key=lambda c: c[0] != "non_private")  # baselines first
+    configs = sorted(args.configs, key=lambda c: c[0] != "non_private")  # baselines first
     suite_start = time.perf_counter()
     for model in args.models:
         for batch in args.batch_sizes:
-            for method, policy in configs:
-                print(f"[{time.perf_counter() - suite_start:7.0f} s] {model} B={batch} T={args.seq_len} "
-                      f"{method}:{policy} ...", end=" ", flush=True)
-                row = run_one(args, method, policy, model, batch)
+            for method, policy, privatize in configs:
+                label = f"{method}:{policy}" + (f":{privatize}" if method.startswith("dplit") else "")
+                print(f"[{time.perf_counter() - suite_start:7.0f} s] {model} B={batch} T={args.seq_len} {label} ...",
+                      end=" ", flush=True)
+                row = run_one(args, method, policy, privatize, model, batch)
                 for attempt in range(args.retries):
                     if row["status"] != "ok" or (row.get("others_share") or 0.0) <= BUSY:
                         break
                     print(f"(other processes used {row['others_share']:.0%} of the CPUs: retry {attempt + 1})",
                           end=" ", flush=True)
                     wait_for_idle(max(args.wait_idle, 180.0))
-                    again = run_one(args, method, policy, model, batch)
+                    again = run_one(args, method, policy, privatize, model, batch)
                     if again["status"] == "ok" and again["others_share"] < row["others_share"]:
                         row = again
                 rows.append(row)

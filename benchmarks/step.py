@@ -7,14 +7,15 @@ iteration:
 
 * ``non_private``: forward, backward of the mean loss, AdamW step.
 * ``dplit_ghost``: dplit's ghost engine (``tied_norm="exact"``) over the whole batch (micro-batch = batch), then
-  DPStrategy's privatisation (add N(0, σ²C²) to the clipped sum, divide by B), AdamW step.
+  DPStrategy's privatisation (add N(0, σ²C²) to the clipped sum, divide by B; see ``--privatize``), AdamW step.
 * ``dplit_per_example``: the same with dplit's materialising reference engine (vmap of per-example grads).
 * ``opacus_hooks`` / ``opacus_ghost``: opacus ``PrivacyEngine.make_private(grad_sample_mode=...)`` on the same
   module and AdamW; ghost uses the returned loss wrapper (two backward passes inside ``loss.backward()``).
 
 Reports (as JSON, to ``--out``): the median step time over the timed steps after warm-up, peak memory (CUDA max
-allocated on GPU; peak RSS of this process on CPU, from ``resource.getrusage``) and the memory after setup
-(model, optimizer, batch, engine built, before the first step), and ``status`` ok / refused / failed.
+allocated on GPU; peak RSS of this process on CPU, from ``resource.getrusage``), the memory once the model and
+batch exist (``baseline_mem_mb``, before the method's own setup) and after that setup (``setup_mem_mb``: optimizer,
+engine or opacus wrapper built, before the first step), and ``status`` ok / refused / failed.
 
 Run directly for one configuration, e.g.::
 
@@ -37,6 +38,7 @@ from typing import Any
 
 METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
 POLICIES = ("untied", "tied")
+PRIVATIZE_MODES = ("strategy", "flat", "per_parameter")
 MODELS: dict[str, dict[str, int]] = {
     "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M parameters tied (GPT-2 small)
     "distilgpt2": {"n_layer": 6, "n_embd": 768, "n_head": 12},  # 82M tied
@@ -62,9 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     parser.add_argument(
         "--privatize",
-        choices=("strategy", "inplace"),
+        choices=PRIVATIZE_MODES,
         default="strategy",
-        help="strategy: as DPStrategy._privatize (one flat fp32 buffer of all clipped sums); inplace: per parameter",
+        help="dplit methods' noise step: strategy (as DPStrategy now: its GradientBuffer), flat (DPStrategy before "
+        "the GradientBuffer: torch.cat of all sums + a flat noise tensor), per_parameter (in place, one by one)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, default=None, help="also profile one step; write the op table here")
@@ -127,22 +130,55 @@ def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     }
 
 
-def privatize(params: list[Any], args: argparse.Namespace, generator: Any) -> None:
-    """DPStrategy's privatisation on one device: clipped sum + N(0, σ²C²), divided by the batch size."""
+def privatized_step(
+    args: argparse.Namespace, params: list[Any], accumulate: Callable[[], None], generator: Any
+) -> tuple[Callable[[], None], str]:
+    """Clipped sum → + N(0, σ²C²) → ÷ B, as ``args.privatize`` says; returns (step without optimizer, mode used).
+
+    * ``strategy``: what DPStrategy does on one device: its ``GradientBuffer`` (grads are views of one persistent
+      flat buffer, noise added in place parameter by parameter). Falls back to ``flat`` for a dplit without it.
+    * ``flat``: DPStrategy before the GradientBuffer: ``torch.cat`` of all clipped sums into a new flat fp32
+      tensor plus a flat noise tensor of the same size.
+    * ``per_parameter``: noise drawn and added in place for each parameter's ``grad`` in turn.
+    """
     import torch
 
-    std = args.sigma * args.max_grad_norm
-    if args.privatize == "inplace":
+    std, size, mode = args.sigma * args.max_grad_norm, args.batch_size, args.privatize
+    if mode == "strategy":
+        try:
+            from dplit.privacy.gradient_buffer import GradientBuffer
+        except ImportError:
+            mode = "flat"
+        else:
+            buffer = GradientBuffer(params, extra=1)  # extra: DPStrategy's stop flag slot
+
+            def buffered() -> None:
+                buffer.attach()
+                accumulate()
+                buffer.detach()
+                buffer.add_noise(std, generator)
+                buffer.publish(size)
+
+            return buffered, "strategy (GradientBuffer)"
+
+    def flat() -> None:
         for param in params:
-            noise = torch.normal(0.0, std, param.shape, generator=generator, device=param.device)
-            param.grad.add_(noise).div_(args.batch_size)
-        return
-    # as dplit.strategy.DPStrategy._privatize: one flat fp32 buffer (one all-reduce under DDP)
-    flat = torch.cat([p.grad.float().reshape(-1) for p in params])  # [P]
-    flat += torch.normal(0.0, std, flat.shape, generator=generator, device=flat.device)
-    flat /= args.batch_size
-    for param, chunk in zip(params, flat.split([p.numel() for p in params])):
-        param.grad = chunk.view_as(param).to(param.dtype)
+            param.grad = None
+        accumulate()
+        sums = torch.cat([p.grad.float().reshape(-1) for p in params])  # [P]
+        sums += torch.normal(0.0, std, sums.shape, generator=generator, device=sums.device)
+        sums /= size
+        for param, chunk in zip(params, sums.split([p.numel() for p in params])):
+            param.grad = chunk.view_as(param).to(param.dtype)
+
+    def per_parameter() -> None:
+        for param in params:
+            param.grad = None
+        accumulate()
+        for param in params:
+            param.grad.add_(torch.empty_like(param.grad).normal_(0.0, std, generator=generator)).div_(size)
+
+    return (flat, "flat") if mode == "flat" else (per_parameter, "per_parameter")
 
 
 def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], device: Any) -> Callable[[], None]:
@@ -172,14 +208,15 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
         optimizer = torch.optim.AdamW(params, lr=args.lr)
         generator = torch.Generator(device=device).manual_seed(args.seed + 7919)
 
-        def step() -> None:
-            for param in params:
-                param.grad = None
-            engine.accumulate(model.per_example_loss, batch)  # micro-batch = the whole batch
-            privatize(params, args, generator)
+        private, args.privatize_used = privatized_step(
+            args, params, lambda: engine.accumulate(model.per_example_loss, batch), generator  # micro-batch = batch
+        )
+
+        def dp_step() -> None:
+            private()
             optimizer.step()
 
-        return step
+        return dp_step
 
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -258,18 +295,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rss_at_start = current_rss_mb()
     torch.manual_seed(args.seed)
     if cuda:
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
     model = build_model(args, device)
     result["parameters"] = sum(p.numel() for p in model.parameters())
     batch = make_batch(args, device)
+    # after model creation, before the method's own setup (optimizer, engine, opacus wrapping, validation forward)
+    result["baseline_mem_mb"] = torch.cuda.memory_allocated(device) / 2**20 if cuda else current_rss_mb()
     times: list[float] = []
     cpu_times: list[float] = []
     shares: list[float] = []  # per step: the share of the machine's CPUs other processes used meanwhile
     try:
         step = build_step(args, model, batch, device)
-        result["baseline_mem_mb"] = torch.cuda.memory_allocated(device) / 2**20 if cuda else current_rss_mb()
-        result["setup_rss_mb"] = current_rss_mb()
+        result["privatize_impl"] = getattr(args, "privatize_used", None)
+        result["setup_mem_mb"] = torch.cuda.memory_allocated(device) / 2**20 if cuda else current_rss_mb()
         for index in range(args.warmup + args.steps):
             if cuda:
                 torch.cuda.synchronize(device)
