@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from transformers import GPT2Config, GPT2LMHeadModel
+from typing_extensions import override
 
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
 
@@ -77,11 +78,13 @@ class GPT2Classifier(LightningModule):
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
 
+    @override
     def on_fit_start(self) -> None:
         """Record the embedding policy (e.g. ``UntiedEmbeddings(init='copy')``) as a hyperparameter."""
         for logger in self.loggers:
             logger.log_hyperparams({"embedding_policy": repr(self.embeddings)})
 
+    @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Class logits [B, K] read at each sequence's last real token (left or right padding)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: same ids for either padding side
@@ -100,16 +103,19 @@ class GPT2Classifier(LightningModule):
         logits = self(batch["input_ids"], batch["attention_mask"])
         return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
 
+    @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Non-private step (DPStrategy replaces it with clipped, noisy micro-batches)."""
         loss = self.per_example_loss(batch).mean()
         self.log("train/loss", loss, batch_size=batch["labels"].shape[0])
         return loss
 
+    @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         """Log ``val/loss``, ``val/acc`` (and ``val/f1`` for QQP)."""
         self._evaluate(batch, "val")
 
+    @override
     def test_step(self, batch: Batch, batch_idx: int) -> None:
         """Log ``test/loss``, ``test/acc`` (and ``test/f1`` for QQP)."""
         self._evaluate(batch, "test")
@@ -125,6 +131,7 @@ class GPT2Classifier(LightningModule):
             self.val_f1(logits, labels)
             self.log(f"{stage}/f1", self.val_f1, batch_size=size)
 
+    @override
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW with linear warm-up and (by default) linear decay to zero over the planned steps."""
         params = [p for p in self.parameters() if p.requires_grad]

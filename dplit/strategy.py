@@ -270,12 +270,12 @@ class DPStrategy(DDPStrategy):
 
         def private_closure() -> Any:
             result = closure()
-            self._privatize(optimizer)
+            self._privatize()
             return result
 
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)
 
-    def _privatize(self, optimizer: Optimizer) -> None:
+    def _privatize(self) -> None:
         """All-reduce the clipped sums once, with N(0, σ²C²) added once (rank 0), and divide by q·N."""
         assert self._accountant is not None and self._noise_multiplier is not None and self._buffer is not None
         sigma, rate = self._noise_multiplier, self._sample_rate
