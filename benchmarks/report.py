@@ -172,7 +172,10 @@ def markdown(results: dict[str, Any]) -> str:
         "# dplit benchmark",
         "",
         f"Machine: {machine_line(machine)}.",
-        f"Run: {results['created']}, dplit at {results['git']['describe']}. Command: `{results['command']}`.",
+        f"Run: {results['created']}, dplit at {results['git']['describe']}"
+        + (f" (changed to {results['git']['changed_during_run']} during the run)"
+           if results["git"].get("changed_during_run") else "")
+        + f". Command: `{results['command']}`.",
         "",
         f"One optimizer step (forward, backward, clipping, noise σ={settings['sigma']}, C={settings['max_grad_norm']}, "
         f"AdamW) on a random-init label-word GPT2Classifier, random tokens (all real, no padding), each configuration "

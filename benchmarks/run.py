@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
     machine = machine_info(args.threads, args.device)
+    git_at_start = git_info()  # the dplit that the configurations import (re-checked at the end)
     print(f"machine: {report.machine_line(machine)}", flush=True)
     previous: list[dict[str, Any]] = []
     results_path = args.out / "results.json"
@@ -260,12 +261,16 @@ def main(argv: list[str] | None = None) -> None:
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
         "machine": machine,
-        "git": git_info(),
+        "git": git_at_start,
         "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
                      "max_grad_norm": args.max_grad_norm, "privatize": args.privatize, "device": args.device,
                      "timeout_s": args.timeout, "suite_wall_s": time.perf_counter() - suite_start},
         "rows": rows,
     }
+    if git_info() != git_at_start:
+        results["git"]["changed_during_run"] = git_info()["describe"]
+        print(f"warning: dplit changed during the run ({git_at_start['describe']} -> "
+              f"{results['git']['changed_during_run']}); rerun for clean numbers", flush=True)
     print(report.write(results, args.out))
     print(f"wrote {args.out / 'results.json'}, table.md, chart.png", flush=True)
 
