@@ -210,7 +210,8 @@ def run_one(
                         " (out of memory?)" if code == -signal.SIGKILL else "")
                 else:
                     problem = f"exited with code {code}"
-            tail = log_path.read_text().strip().splitlines()[-1:] if log_path.exists() else []
+            lines = log_path.read_text().strip().splitlines() if log_path.exists() else []
+            tail = [line.strip() for line in lines[1:] if line.strip() and "warn" not in line.lower()][-1:]
             row = {"method": method, "policy": policy, "privatize": privatize if dplit else None, "model": model,
                    "batch": batch, "seq_len": args.seq_len,
                    "status": "failed", "message": problem + (f"; last log line: {tail[0][:200]}" if tail else ""),
@@ -228,9 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     git_at_start = git_info()  # the dplit that the configurations import (re-checked at the end)
     print(f"machine: {report.machine_line(machine)}", flush=True)
     previous: list[dict[str, Any]] = []
+    earlier_runs: list[dict[str, Any]] = []
     results_path = args.out / "results.json"
     if args.append and results_path.exists():
-        previous = json.loads(results_path.read_text())["rows"]
+        earlier = json.loads(results_path.read_text())
+        previous = earlier["rows"]
+        earlier_runs = earlier.get("runs") or [{key: earlier.get(key) for key in ("created", "command", "git")}]
     rows: list[dict[str, Any]] = []
     configs = sorted(args.configs, key=lambda c: c[0] != "non_private")  # baselines first
     suite_start = time.perf_counter()
@@ -256,7 +260,6 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{row['status']} {timing} {memory} {row.get('message', '')[:120]}", flush=True)
     fresh = {report.row_key(r) for r in rows}
     rows = [r for r in previous if report.row_key(r) not in fresh] + rows
-    rows.sort(key=lambda r: (r["model"], r["batch"], r["seq_len"]))  # stable: keeps the run order within a size
     results = {
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
@@ -267,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
                      "timeout_s": args.timeout, "suite_wall_s": time.perf_counter() - suite_start},
         "rows": rows,
     }
+    this_run = {"created": results["created"], "command": command, "git": git_at_start}
+    kept = {(r["model"], r["batch"], r["seq_len"]) for r in previous if report.row_key(r) not in fresh}
+    results["runs"] = (earlier_runs if kept else []) + [this_run]  # every run whose rows are in this file
     if git_info() != git_at_start:
         results["git"]["changed_during_run"] = git_info()["describe"]
         print(f"warning: dplit changed during the run ({git_at_start['describe']} -> "
