@@ -39,12 +39,11 @@ def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def add_to_grad(param: nn.Parameter, update: Tensor) -> None:
-    """Accumulate ``update`` into ``param.grad`` (allocating it on first use)."""
-    update = update.to(param.dtype)
+    """Accumulate ``update`` (a fresh tensor, which may become the grad) into ``param.grad``."""
     if param.grad is None:
-        param.grad = update.clone()
+        param.grad = update.to(param.dtype)
     else:
-        param.grad.add_(update)
+        param.grad.add_(update.to(param.grad.dtype))
 
 
 class ClippingEngine(ABC):

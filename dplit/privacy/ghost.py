@@ -155,7 +155,7 @@ class GhostEngine(ClippingEngine):
             norms = squared.sqrt()
             factors = clip_factors(norms, self.max_grad_norm)
             for key, (_, param) in coverage.parameters.items():
-                add_to_grad(param, _clipped_sum(uses.get(key, []), factors, param))
+                _add_clipped_sum(param, uses.get(key, []), factors)
         return ClipStats(losses=losses.detach(), norms=norms)
 
     def _forward(self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage) -> tuple[Tensor, list[ModuleCall]]:
@@ -253,12 +253,12 @@ def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtyp
     return uses
 
 
-def _clipped_sum(uses: list[GradientUse], factors: Tensor, param: nn.Parameter) -> Tensor:
-    """Σ_i c_i G_i over all of a parameter's uses, in its shape (zeros when it was not used)."""
-    total = torch.zeros_like(param, dtype=factors.dtype)
+def _add_clipped_sum(param: nn.Parameter, uses: list[GradientUse], factors: Tensor) -> None:
+    """Add Σ_i c_i G_i over all of a parameter's uses to its ``grad``, use by use (zeros when it was not used)."""
     for use in uses:
-        total += weighted_sum(use, factors).reshape(param.shape)  # in place: no stack of V×d updates
-    return total
+        add_to_grad(param, weighted_sum(use, factors).reshape(param.shape))  # no parameter-sized total
+    if not uses and param.grad is None:
+        add_to_grad(param, torch.zeros_like(param))
 
 
 def _norm_dtype(parameters: Iterable[nn.Parameter]) -> torch.dtype:
