@@ -140,6 +140,7 @@ class DPStrategy(DDPStrategy):
         super().setup(trainer)
         options = {"tied_norm": self._tied_norm} if self._clipping == "ghost" else {}
         self._engine = build_engine(self._clipping, module, max_grad_norm=self._max_grad_norm, **options)
+        self._engine.check_parameters()
 
     @override
     def configure_ddp(self) -> None:

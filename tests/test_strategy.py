@@ -261,3 +261,25 @@ def test_crash_or_interrupt_keeps_the_last_checkpoint_and_ledger(tmp_path: Path,
     resumed = str(tmp_path / "ckpt" / "last.ckpt")
     _, strategy = fit(tmp_path, make_model(), max_steps=5, noise_multiplier=1.0, ckpt_path=resumed)
     assert strategy.accountant.steps == 5
+
+
+def test_uncovered_trainable_parameter_is_refused_at_setup_by_name(tmp_path: Path) -> None:
+    class WithTemperature(GPT2Classifier):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.temperature = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+
+        def per_example_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return super().per_example_loss(batch) * self.temperature
+
+    torch.manual_seed(0)
+    model = WithTemperature(config=TINY_GPT2, vocab_size=VOCAB, label_word_ids=LABEL_WORDS).double()
+    steps: list[int] = []
+
+    class StepSpy(Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            steps.append(trainer.global_step)
+
+    with pytest.raises(ValueError, match="'temperature'"):
+        fit(tmp_path, model, max_steps=1, clipping="ghost", callbacks=[StepSpy()])
+    assert steps == []

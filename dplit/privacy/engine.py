@@ -65,6 +65,9 @@ class ClippingEngine(ABC):
         """The clipping bound C."""
         return self._max_grad_norm
 
+    def check_parameters(self) -> None:
+        """Refuse (``ValueError`` naming it) a trainable parameter no rule covers, before any data is seen."""
+
     def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
         """Refuse (raise ``ValueError`` naming it) any trainable parameter this engine cannot clip exactly."""
 

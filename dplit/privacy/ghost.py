@@ -92,6 +92,10 @@ class GhostEngine(ClippingEngine):
         self._tied_norm: TiedNorm = tied_norm
         self._rules = dict(NORM_RULES if rules is None else rules)
 
+    def check_parameters(self) -> None:
+        """Refuse any trainable parameter whose module type has no rule for it (no forward needed)."""
+        self.coverage()
+
     def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
         """Refuse (``ValueError`` naming it) any trainable parameter ghost clipping cannot clip exactly.
 
