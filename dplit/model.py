@@ -66,7 +66,7 @@ class GPT2Classifier(LightningModule):
         self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
         self.backbone = _build_backbone(pretrained, config, vocab_size, dropout, attn_implementation)
         self.embeddings.apply(self.backbone)
-        self._label_word_ids = _check_label_words(head, label_word_ids, self.backbone.config.vocab_size)
+        _check_label_words(head, label_word_ids, self.backbone.config.vocab_size)
         classes = len(label_word_ids) if label_word_ids else num_classes
         if not classes or classes < 2:
             raise ValueError("model.num_classes (or model.label_word_ids) must give at least two classes")
@@ -179,9 +179,9 @@ def _build_backbone(
     return GPT2LMHeadModel(GPT2Config(**settings, attn_implementation=attn_implementation))
 
 
-def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> list[int]:
+def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> None:
     if head == "linear":
-        return list(label_word_ids or [])
+        return
     if not label_word_ids:
         raise ValueError("model.head='label_words' needs model.label_word_ids (linked from data.label_word_ids)")
     if len(set(label_word_ids)) != len(label_word_ids):
@@ -189,7 +189,6 @@ def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: 
     outside = [i for i in label_word_ids if not 0 <= i < vocab_size]
     if outside:
         raise ValueError(f"model.label_word_ids {outside} are outside the vocabulary of size {vocab_size}")
-    return list(label_word_ids)
 
 
 def _freeze(module: nn.Module, prefixes: list[str]) -> None:
