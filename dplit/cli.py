@@ -1,4 +1,4 @@
-"""The ``dplit`` command: LightningCLI over GPT2Classifier and GlueDataModule, driven by YAML."""
+"""The ``dplit`` command: LightningCLI over CausalLMClassifier and GlueDataModule, driven by YAML."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from typing_extensions import override
 
 from dplit.data import GlueDataModule
-from dplit.model import GPT2Classifier
+from dplit.model import CausalLMClassifier
 
 
 class DPLitCLI(LightningCLI):
@@ -25,7 +25,7 @@ class DPLitCLI(LightningCLI):
 
 def run_cli(args: ArgsType = None) -> DPLitCLI:
     """Parse ``args`` (default ``sys.argv[1:]``), run the subcommand and return the CLI (trainer, model, data)."""
-    return DPLitCLI(GPT2Classifier, GlueDataModule, args=args)
+    return DPLitCLI(CausalLMClassifier, GlueDataModule, args=args)
 
 
 def main(args: ArgsType = None) -> None:

@@ -1,4 +1,4 @@
-"""GPT2Classifier: a GPT-2 sequence classifier whose answer is read at the last real token."""
+"""CausalLMClassifier: a decoder-only LM (GPT-2, Llama, Qwen2, Mistral, ...) classifying at the last real token."""
 
 from __future__ import annotations
 
@@ -9,29 +9,32 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
-from transformers import GPT2Config, GPT2LMHeadModel
 from typing_extensions import override
 
-from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.backbone import build_causal_lm
+from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings, embedding_pair
 
 Batch = dict[str, Tensor]
 
 
-class GPT2Classifier(LightningModule):
-    """GPT-2 classifier scoring label words through the LM head (or a linear head) at the last real token.
+class CausalLMClassifier(LightningModule):
+    """Causal-LM classifier scoring label words through the LM head (or a linear head) at the last real token.
 
     Args:
-        pretrained: hub name (``"gpt2"``, ``"distilgpt2"``) or local folder with GPT-2 weights.
-        config: keyword arguments of ``transformers.GPT2Config`` for a randomly initialised backbone
-            (tests, quickstart). Set exactly one of ``pretrained`` and ``config``.
-        embeddings: the :class:`~dplit.embeddings.EmbeddingPolicy` (default: untied, copied from wte).
+        pretrained: hub name (``"gpt2"``, ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, ``"Qwen/Qwen2.5-0.5B"``) or
+            local folder of any checkpoint ``transformers.AutoModelForCausalLM`` loads.
+        gguf_file: a GGUF checkpoint file inside the ``pretrained`` folder (needs the ``gguf`` package).
+        config: keyword arguments of a model config for a randomly initialised backbone (tests, quickstart),
+            with its ``model_type`` (``"gpt2"`` when absent, e.g. ``{model_type: llama, hidden_size: 32, ...}``).
+            Set exactly one of ``pretrained`` and ``config``.
+        embeddings: the :class:`~dplit.embeddings.EmbeddingPolicy` (default: untied, copied from the input embedding).
         head: ``"label_words"`` scores the task's label-word logits of the LM head; ``"linear"`` adds a
-            d×K score layer (the LM head is then unused and frozen).
+            d×K score layer (the LM head is then unused and, when untied, frozen).
         label_word_ids: token id of each class's label word, in class order (linked from the data).
         num_classes: number of classes K for the linear head when no label words are given.
         vocab_size: tokenizer size; sets the vocabulary of a config-built backbone, checked for a pretrained one.
         task: task name; QQP also reports F1.
-        dropout: overrides GPT-2's dropout probabilities (``None`` keeps the checkpoint's).
+        dropout: overrides the backbone's dropout probabilities (``None`` keeps the checkpoint's).
         freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
             engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
@@ -45,6 +48,7 @@ class GPT2Classifier(LightningModule):
     def __init__(
         self,
         pretrained: str | None = None,
+        gguf_file: str | None = None,
         config: dict[str, Any] | None = None,
         embeddings: EmbeddingPolicy | None = None,
         head: Literal["label_words", "linear"] = "label_words",
@@ -64,19 +68,32 @@ class GPT2Classifier(LightningModule):
         super().__init__()
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
-        self.backbone = _build_backbone(pretrained, config, vocab_size, dropout, attn_implementation)
+        self.backbone = build_causal_lm(
+            pretrained=pretrained,
+            gguf_file=gguf_file,
+            config=config,
+            vocab_size=vocab_size,
+            dropout=dropout,
+            attn_implementation=attn_implementation,
+        )
         self.embeddings.apply(self.backbone)
-        _check_label_words(head, label_word_ids, self.backbone.config.vocab_size)
+        inputs, outputs = embedding_pair(self.backbone)
+        _check_label_words(head, label_word_ids, outputs.weight.shape[0])
         classes = len(label_word_ids) if label_word_ids else num_classes
         if not classes or classes < 2:
             raise ValueError("model.num_classes (or model.label_word_ids) must give at least two classes")
         self.register_buffer("label_word_ids", torch.tensor(label_word_ids or [], dtype=torch.long), persistent=False)
-        self.score = nn.Linear(self.backbone.config.n_embd, classes, bias=False) if head == "linear" else None
-        if head == "linear" and self.backbone.lm_head.weight is not self.backbone.transformer.wte.weight:
-            self.backbone.lm_head.weight.requires_grad_(False)
+        self.score = nn.Linear(inputs.weight.shape[1], classes, bias=False) if head == "linear" else None
+        if head == "linear" and outputs.weight is not inputs.weight:
+            outputs.requires_grad_(False)
         _freeze(self, freeze or [])
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the backbone's position embedding or rotary setting allows (``None``: no limit known)."""
+        return getattr(self.backbone.config, "max_position_embeddings", None)
 
     @override
     def on_fit_start(self) -> None:
@@ -88,7 +105,7 @@ class GPT2Classifier(LightningModule):
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Class logits [B, K] read at each sequence's last real token (left or right padding)."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: same ids for either padding side
-        hidden = self.backbone.transformer(
+        hidden = self.backbone.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
         ).last_hidden_state  # [B, T, d]
         steps = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -96,7 +113,7 @@ class GPT2Classifier(LightningModule):
         h = hidden[torch.arange(hidden.shape[0], device=hidden.device), last]  # [B, d]
         if self.score is not None:
             return self.score(h)  # [B, K]
-        return self.backbone.lm_head(h)[:, self.label_word_ids]  # [B, V] -> [B, K]
+        return self.backbone.get_output_embeddings()(h)[:, self.label_word_ids]  # [B, V] -> [B, K]
 
     def per_example_loss(self, batch: Batch) -> Tensor:
         """Cross-entropy of each example [B]; example i's loss depends on example i only."""
@@ -151,34 +168,6 @@ class GPT2Classifier(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def _build_backbone(
-    pretrained: str | None,
-    config: dict[str, Any] | None,
-    vocab_size: int | None,
-    dropout: float | None,
-    attn_implementation: str,
-) -> GPT2LMHeadModel:
-    if (pretrained is None) == (config is None):
-        raise ValueError("set exactly one of model.pretrained (hub name or folder) and model.config (GPT2Config)")
-    overrides: dict[str, Any] = {}
-    if dropout is not None:
-        overrides.update(resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
-    if pretrained is not None:
-        model = GPT2LMHeadModel.from_pretrained(pretrained, attn_implementation=attn_implementation, **overrides)
-        if vocab_size is not None and vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {vocab_size} tokens but {pretrained} has only {model.config.vocab_size} embeddings"
-            )
-        return model
-    settings = {**(config or {}), **overrides}
-    if vocab_size is not None:
-        settings["vocab_size"] = vocab_size
-    last_token = settings.get("vocab_size", GPT2Config().vocab_size) - 1
-    settings.setdefault("bos_token_id", last_token)
-    settings.setdefault("eos_token_id", last_token)
-    return GPT2LMHeadModel(GPT2Config(**settings, attn_implementation=attn_implementation))
-
-
 def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> None:
     if head == "linear":
         return
@@ -200,3 +189,7 @@ def _freeze(module: nn.Module, prefixes: list[str]) -> None:
         for name, param in module.named_parameters():
             if name in matched:
                 param.requires_grad_(False)
+
+
+class GPT2Classifier(CausalLMClassifier):
+    """The name configs used before other families: a :class:`CausalLMClassifier` (GPT-2 by default)."""

@@ -93,6 +93,8 @@ def test_bad_model_settings_are_refused(kwargs: dict, message: str) -> None:
         make_model(**kwargs)
 
 
-def test_offline_pretrained_name_fails_loudly() -> None:
-    with pytest.raises(OSError):
+def test_missing_pretrained_folder_or_offline_hub_name_is_named() -> None:
+    with pytest.raises(ValueError, match=r"model.pretrained='/nonexistent/gpt2-folder': the folder does not exist"):
         GPT2Classifier(pretrained="/nonexistent/gpt2-folder", label_word_ids=LABEL_WORDS)
+    with pytest.raises(ValueError, match=r"model.pretrained='no-such-org/no-such-model' could not be loaded"):
+        GPT2Classifier(pretrained="no-such-org/no-such-model", label_word_ids=LABEL_WORDS)

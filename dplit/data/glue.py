@@ -36,7 +36,8 @@ class GlueDataModule(LightningDataModule):
         task: ``"sst2"``, ``"qnli"``, ``"qqp"`` or ``"synthetic"`` (built-in, offline, own tokenizer).
         data_dir: folder with GLUE's ``train.tsv`` and ``dev.tsv`` for the task; ``None`` loads
             ``nyu-mll/glue`` from the Hugging Face hub.
-        tokenizer: hub name or local folder of the tokenizer (ignored for ``synthetic``).
+        tokenizer: hub name or local folder of the model whose tokenizer is used (ignored for ``synthetic``).
+        gguf_file: a GGUF checkpoint inside the ``tokenizer`` folder whose tokenizer is used.
         batch_size: expected logical training batch size (the DP strategy may Poisson-sample instead).
         eval_batch_size: validation and test batch size.
         max_length: longest prompt in tokens.
@@ -57,6 +58,7 @@ class GlueDataModule(LightningDataModule):
         task: str = "sst2",
         data_dir: str | None = None,
         tokenizer: str = "gpt2",
+        gguf_file: str | None = None,
         batch_size: int = 32,
         eval_batch_size: int = 64,
         max_length: int = 256,
@@ -87,7 +89,7 @@ class GlueDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
-        self.tokenizer: PreTrainedTokenizerBase = self._load_tokenizer(tokenizer, padding_side)
+        self.tokenizer: PreTrainedTokenizerBase = self._load_tokenizer(tokenizer, gguf_file, padding_side)
         self.label_words = _resolve_label_words(self.spec, label_words)
         self.label_word_ids: list[int] = label_word_ids(self.tokenizer, self.label_words)
         self.num_classes: int = len(self.label_words)
@@ -142,12 +144,12 @@ class GlueDataModule(LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def _load_tokenizer(self, name_or_path: str, padding_side: str) -> PreTrainedTokenizerBase:
+    def _load_tokenizer(self, name_or_path: str, gguf_file: str | None, padding_side: str) -> PreTrainedTokenizerBase:
         if self.task == "synthetic":
             log.debug("task synthetic builds its own tokenizer; data.tokenizer=%r is ignored", name_or_path)
             tokenizer = build_synthetic_tokenizer()
         else:
-            tokenizer = load_tokenizer(name_or_path)
+            tokenizer = load_tokenizer(name_or_path, gguf_file)
         tokenizer.padding_side = padding_side
         return tokenizer
 

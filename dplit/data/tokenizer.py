@@ -1,4 +1,4 @@
-"""Loading the GPT-2 tokenizer (hub or local files), building word-level tokenizers, checking label words."""
+"""Loading a model's tokenizer (hub, local files or GGUF), building word-level tokenizers, checking label words."""
 
 from __future__ import annotations
 
@@ -7,14 +7,21 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import (
+    AutoTokenizer,
+    GPT2TokenizerFast,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from dplit.backbone import check_gguf_file, unloadable_message
 
 END_OF_TEXT = "<|endoftext|>"
 UNKNOWN = "<unk>"
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """Load a tokenizer from a local folder or the Hugging Face hub, with a pad token set.
+def load_tokenizer(name_or_path: str | os.PathLike[str], gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    """Load a model's tokenizer from a local folder, a GGUF file or the Hugging Face hub, with a pad token set.
 
     A folder holding GPT-2's ``vocab.json`` and ``merges.txt`` is loaded with
     ``GPT2TokenizerFast.from_pretrained(folder)`` (``AutoTokenizer`` cannot read such a folder, and
@@ -24,15 +31,22 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> PreTrainedTokenizerB
 
     Args:
         name_or_path: hub name (``"gpt2"``) or a local folder.
+        gguf_file: a GGUF checkpoint inside the folder ``name_or_path``; its tokenizer is loaded.
 
     Returns:
         The tokenizer.
     """
     folder = Path(name_or_path)
-    if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+    if gguf_file is not None:
+        check_gguf_file(str(folder), gguf_file, "data")
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    elif (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
         tokenizer = GPT2TokenizerFast.from_pretrained(str(folder))
     else:
-        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        except (OSError, ValueError) as error:
+            raise ValueError(unloadable_message(str(name_or_path), "data.tokenizer", error)) from error
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

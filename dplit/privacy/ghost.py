@@ -129,9 +129,14 @@ class GhostEngine(ClippingEngine):
             if rule is None or attribute not in rule.parameter_names:
                 raise ValueError(
                     f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}, "
-                    f"which has no ghost clipping rule for it; freeze it, use a supported layer (Linear, "
-                    f"Conv1D, Embedding, LayerNorm), register a rule, or use the per_example engine"
+                    f"which has no ghost clipping rule for it; freeze it, use a supported layer (Linear, Conv1D, "
+                    f"Embedding, LayerNorm, RMSNorm), register a rule, or use the per_example engine"
                 )
+        if "forward" in vars(module):
+            raise ValueError(
+                f"trainable parameter {owned[0][0]!r} belongs to {module_name!r} ({kind}), whose forward was replaced "
+                "on the instance: its norm rule describes the class's own forward, so the norms would be wrong"
+            )
         reason = rule.refusal(module)
         if reason is not None:
             raise ValueError(f"trainable parameter {owned[0][0]!r} ({module_name!r}, {kind}): {reason}")
@@ -229,7 +234,7 @@ def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
             raise ValueError(
                 f"{call.name!r} ({type(call.module).__name__}) received input of shape "
                 f"{tuple(call.activation.shape)} for a batch of {losses.shape[0]} examples: ghost clipping needs "
-                f"dim 0 to be the example (e.g. pass GPT-2 position_ids of shape [B, T], not [1, T])"
+                f"dim 0 to be the example (e.g. pass position_ids of shape [B, T], not [1, T])"
             )
 
 

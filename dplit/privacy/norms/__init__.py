@@ -1,6 +1,6 @@
 """Per-example gradient norm rules by layer type, and the factorised-gradient algebra they share."""
 
-from dplit.privacy.norms import conv1d, embedding, layer_norm, linear  # noqa: F401  (registers the rules)
+from dplit.privacy.norms import conv1d, elementwise_affine, embedding, layer_norm, linear  # noqa: F401  (registers the rules)
 from dplit.privacy.norms.factors import (
     DenseFactor,
     ExampleGradient,

@@ -1,0 +1,159 @@
+"""Llama, Qwen2 and Mistral backbones: ghost clipping against the brute-force loop, in float64, tied and untied."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import dplit.privacy.norms.factors as factors_module
+from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
+from dplit.model import CausalLMClassifier
+from dplit.privacy.engine import Batch
+from dplit.privacy.ghost import GhostEngine
+from dplit.privacy.norms import FactoredGradient
+from dplit.privacy.norms.factors import prefers_materialising
+from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.test_ghost import assert_close, check_against_oracles, padded_batch, run
+
+VOCAB = 50
+LABEL_WORDS = [3, 7]
+SMALL = {
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query attention: 2 query heads per key/value head
+    "max_position_embeddings": 64,
+}
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "llama", **SMALL},
+    "qwen2": {"model_type": "qwen2", **SMALL},  # q/k/v projections with biases
+    "mistral": {"model_type": "mistral", **SMALL, "sliding_window": None},
+}
+POLICIES = [TiedEmbeddings(), UntiedEmbeddings()]
+
+
+def classifier(
+    family: str, policy: EmbeddingPolicy, head: str = "label_words", attention: str = "eager"
+) -> CausalLMClassifier:
+    """A tiny float64 classifier on a random ``family`` backbone."""
+    torch.manual_seed(0)
+    model = CausalLMClassifier(
+        config=FAMILIES[family],
+        vocab_size=VOCAB,
+        embeddings=policy,
+        head=head,
+        label_word_ids=LABEL_WORDS,
+        attn_implementation=attention,
+    )
+    return model.double()
+
+
+def attention_for(side: str) -> str:
+    """Left padding needs sdpa in float64: eager attention's float32 softmax turns float64's mask minimum into -inf,
+    so a padding query that sees no key gives NaN (float32 and bf16 models are fine with eager)."""
+    return "sdpa" if side == "left" else "eager"
+
+
+def check(module: nn.Module, loss_fn: Callable[[Batch], Tensor], batch: Batch, clip: float, side: str) -> None:
+    """Ghost against the brute-force loop and, where vmap can trace the model (eager), the per-example engine."""
+    if attention_for(side) == "eager":
+        check_against_oracles(module, loss_fn, batch, clip)
+        return
+    grads = per_example_gradients(module, loss_fn, batch)
+    stats, ghost_grads = run(GhostEngine(module, max_grad_norm=clip), module, loss_fn, batch)
+    assert_close(stats.norms, gradient_norms(grads))
+    expected = clipped_sum(grads, clip)
+    for name, grad in ghost_grads.items():
+        assert_close(grad, expected[name])
+
+
+class NextTokenLM(nn.Module):
+    """Any causal LM with a per-example next-token loss over the full vocabulary (padding masked)."""
+
+    def __init__(self, family: str, policy: EmbeddingPolicy, vocab: int = VOCAB, attention: str = "eager") -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        settings = {key: value for key, value in FAMILIES[family].items() if key != "model_type"}
+        config = AutoConfig.for_model(FAMILIES[family]["model_type"], **settings, vocab_size=vocab, bos_token_id=0)
+        self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        policy.apply(self.model)
+
+    def per_example_loss(self, batch: Batch) -> Tensor:
+        """Summed next-token cross-entropy over each example's real tokens [B]."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, :-1]
+        pairs = (mask[:, 1:] * mask[:, :-1]).to(logits.dtype)  # [B, T-1]: both tokens real
+        losses = F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+        return (losses * pairs).sum(1)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("policy", POLICIES, ids=["tied", "untied"])
+@pytest.mark.parametrize("head", ["label_words", "linear"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_classifier_matches_brute_force(family: str, policy: EmbeddingPolicy, head: str, side: str) -> None:
+    model = classifier(family, policy, head, attention_for(side))
+    assert is_tied(model.backbone) == isinstance(policy, TiedEmbeddings)
+    check(model, model.per_example_loss, padded_batch([5, 1, 9, 3], side), clip=0.05, side=side)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("policy", POLICIES, ids=["tied", "untied"])
+def test_next_token_loss_across_the_break_even(
+    family: str, policy: EmbeddingPolicy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    choices: set[bool] = set()
+
+    def spy(use: FactoredGradient) -> bool:
+        choices.add(prefers_materialising(use))
+        return prefers_materialising(use)
+
+    monkeypatch.setattr(factors_module, "prefers_materialising", spy)
+    for side in ("right", "left"):
+        model = NextTokenLM(family, policy, attention=attention_for(side)).double()  # Grams below T ≈ 11-14
+        batch = padded_batch([30, 2, 17, 9], side, seed=3)
+        check(model, model.per_example_loss, batch, clip=1.0, side=side)
+    assert choices == {False, True}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_duplicate_tokens_with_tied_embeddings(family: str) -> None:
+    for side in ("right", "left"):
+        model = NextTokenLM(family, TiedEmbeddings(), vocab=6, attention=attention_for(side)).double()  # many repeats
+        batch = padded_batch([12, 9, 12], side, vocab=6)
+        batch["input_ids"][0] = 4  # one example is a single token repeated
+        check(model, model.per_example_loss, batch, clip=1.0, side=side)
+
+
+def test_norm_layers_are_covered_and_uncovered_ones_refused() -> None:
+    model = classifier("llama", TiedEmbeddings())
+    GhostEngine(model, max_grad_norm=1.0).check_parameters()  # RMSNorms, bias-free Linear, GQA: all covered
+    model.backbone.model.layers[0].mlp.act_fn = nn.PReLU().double()  # a parameterised layer with no rule
+    with pytest.raises(ValueError, match=r"'backbone.model.layers.0.mlp.act_fn.weight'.*PReLU.*no ghost clipping rule"):
+        GhostEngine(model, max_grad_norm=1.0).check_parameters()
+
+
+def test_untied_copy_and_tied_policy_on_any_family() -> None:
+    untied = classifier("qwen2", UntiedEmbeddings(init="copy"))
+    head, embedding = untied.backbone.get_output_embeddings().weight, untied.backbone.get_input_embeddings().weight
+    assert head is not embedding and torch.equal(head, embedding) and not untied.backbone.config.tie_word_embeddings
+    tied = classifier("qwen2", TiedEmbeddings()).backbone
+    with pytest.raises(ValueError, match="no separate pretrained head to keep"):
+        UntiedEmbeddings(init="pretrained").apply(tied)
+    torch.manual_seed(0)
+    backbone = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("llama", **{k: v for k, v in SMALL.items()}, vocab_size=VOCAB, tie_word_embeddings=False)
+    )
+    assert not is_tied(backbone)
+    backbone.config.name_or_path = "a-checkpoint"  # as from_pretrained sets it
+    with pytest.warns(UserWarning, match="pretrained LM head weights are discarded"):
+        TiedEmbeddings().apply(backbone)
+    assert is_tied(backbone) and backbone.config.tie_word_embeddings
