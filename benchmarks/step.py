@@ -198,7 +198,7 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
         return step
 
     if args.method in ("dplit_ghost", "dplit_per_example"):
-        from dplit.privacy.engine import build_engine
+        from dplit.privacy import build_engine
 
         if args.method == "dplit_ghost":
             engine = build_engine("ghost", model, max_grad_norm=args.max_grad_norm, tied_norm="exact")

@@ -22,8 +22,9 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dplit.privacy import build_engine
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
-from dplit.privacy.engine import Batch, ClippingEngine, build_engine, trainable_parameters
+from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 

@@ -32,6 +32,7 @@ from tests.glue_files import (
     write_tsv,
 )
 
+
 @pytest.fixture
 def gpt2_dir(shared_data_dir: Path) -> str:
     """The real GPT-2 tokenizer folder (skips without ``DPLIT_DATA_DIR``)."""

@@ -17,7 +17,8 @@ import dplit.privacy.ghost as ghost_module
 import dplit.privacy.norms.factors as factors_module
 from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings
 from dplit.model import GPT2Classifier
-from dplit.privacy.engine import Batch, ClippingEngine, ClipStats, PerExampleEngine, build_engine
+from dplit.privacy import PerExampleEngine, build_engine
+from dplit.privacy.engine import Batch, ClippingEngine, ClipStats
 from dplit.privacy.ghost import GhostEngine
 from dplit.privacy.norms import FactoredGradient, squared_norm
 from dplit.privacy.norms.factors import prefers_materialising

@@ -15,8 +15,8 @@ from opacus.accountants import PRVAccountant
 
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.model import GPT2Classifier
+from dplit.privacy import PerExampleEngine, build_engine
 from dplit.privacy.accountant import default_delta
-from dplit.privacy.engine import PerExampleEngine, build_engine
 from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens

@@ -1,0 +1,67 @@
+"""PerExampleEngine: the reference engine, materialising every example's gradient with ``torch.func``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from dplit.privacy.engine import (
+    Batch,
+    ClippingEngine,
+    ClipStats,
+    PerExampleLoss,
+    add_to_grad,
+    at_least_float32,
+    clip_factors,
+    trainable_parameters,
+)
+
+
+class _LossModule(nn.Module):
+    """Makes ``loss_fn`` (bound to ``module``) callable through ``torch.func.functional_call``."""
+
+    def __init__(self, module: nn.Module, loss_fn: PerExampleLoss) -> None:
+        super().__init__()
+        self.module = module
+        self._loss_fn = loss_fn
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self._loss_fn(batch)
+
+
+class PerExampleEngine(ClippingEngine):
+    """Reference engine: materialises every example's full gradient with ``torch.func.vmap(grad(...))``.
+
+    Exact for any model whose per-example loss is a function of that example alone. Memory grows as
+    B × (number of parameters): it is the baseline the ghost engine is tested and benchmarked against.
+    """
+
+    def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
+        """Add Σ_i c_i ∇ℓ_i to ``param.grad`` using materialised per-example gradients."""
+        wrapper = _LossModule(self._module, loss_fn)
+        params = {f"module.{name}": p.detach() for name, p in trainable_parameters(self._module).items()}
+
+        def example_loss(params: dict[str, Tensor], example: Batch) -> tuple[Tensor, Tensor]:
+            one = {key: value.unsqueeze(0) for key, value in example.items()}  # [1, ...] per field
+            loss = functional_call(wrapper, params, (one,))[0]
+            return loss, loss.detach()
+
+        try:
+            per_example_grads, losses = vmap(
+                grad(example_loss, has_aux=True), in_dims=(None, 0), randomness="different"
+            )(params, dict(batch))
+        except RuntimeError as error:
+            if "vmap" not in str(error):
+                raise
+            raise RuntimeError(
+                "the per_example engine traces the model with torch.func.vmap, which failed on a data-dependent "
+                "branch (e.g. transformers' sdpa attention mask): use attn_implementation='eager' or clipping='ghost'"
+            ) from error
+        squared = [at_least_float32(g).flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B]
+        norms = torch.stack(squared).sum(0).sqrt()
+        factors = clip_factors(norms, self._max_grad_norm)
+        for name, param in trainable_parameters(self._module).items():
+            g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
+            add_to_grad(param, torch.einsum("b,b...->...", factors.to(g.dtype), g))
+        return ClipStats(losses=losses.detach(), norms=norms.detach())
