@@ -22,11 +22,12 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dplit.privacy import build_engine
+from dplit.privacy import GhostEngine, build_engine
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
+from dplit.privacy.self_check import check_ghost_norms
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class DPStrategy(DDPStrategy):
             (materialised per-example gradients, the exact reference).
         tied_norm: ``"exact"`` (cross term) or ``"bound"`` (‖G_1‖ + ‖G_2‖) for shared parameters (ghost only).
         max_physical_batch_size: largest micro-batch run through the model at once (per device).
+        self_check: before the first DP step, compare the ghost engine's per-parameter norms of a few real
+            examples with autograd's (one backward per example) and refuse, naming the parameter, on any
+            disagreement (catches architectures whose layers break the norm rules' assumptions).
         seed: seed of the sampling and noise generators; default ``torch.initial_seed()``
             (so ``seed_everything`` makes runs reproducible). Each rank samples its own stream; only
             rank 0 draws noise; a resumed run continues with fresh streams (the steps taken are mixed in).
@@ -77,6 +81,7 @@ class DPStrategy(DDPStrategy):
         clipping: Literal["ghost", "per_example"] = "ghost",
         tied_norm: Literal["exact", "bound"] = "exact",
         max_physical_batch_size: int = 32,
+        self_check: bool = True,
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -94,6 +99,7 @@ class DPStrategy(DDPStrategy):
         self._clipping = clipping
         self._tied_norm = tied_norm
         self._max_physical_batch_size = max_physical_batch_size
+        self._self_check_pending = self_check
         self._seed = seed
         self._engine: ClippingEngine | None = None
         self._accountant: PrivacyAccountant | None = None
@@ -237,6 +243,7 @@ class DPStrategy(DDPStrategy):
         assert self._engine is not None and self._buffer is not None
         self._buffer.attach()
         losses, norms = [], []
+        self._check_engine(module, batch)
         with self.precision_plugin.train_step_context():
             for micro_batch in _split(batch, self._max_physical_batch_size):
                 stats = self._engine.accumulate(module.per_example_loss, micro_batch)
@@ -244,6 +251,14 @@ class DPStrategy(DDPStrategy):
                 norms.append(stats.norms)
         self._buffer.detach()
         return self._log_batch(module, losses, norms)
+
+    def _check_engine(self, module: LightningModule, batch: Batch) -> None:
+        """Once, on the first non-empty logical batch: the ghost engine's norms against autograd's (see ``self_check``)."""
+        if not self._self_check_pending or not isinstance(self._engine, GhostEngine) or _size(batch) == 0:
+            return
+        check_ghost_norms(self._engine, module, module.per_example_loss, batch)
+        self._self_check_pending = False
+        rank_zero_info("DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
 
     def _log_batch(self, module: LightningModule, losses: list[Tensor], norms: list[Tensor]) -> Tensor:
         if not losses:
@@ -383,8 +398,13 @@ def _check_trainer(trainer: Trainer, precision: object) -> None:
         raise ValueError("trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'")
 
 
+def _size(batch: Batch) -> int:
+    """The number of examples in ``batch``."""
+    return next(iter(batch.values())).shape[0]
+
+
 def _split(batch: Batch, size: int) -> Iterator[Batch]:
     """Micro-batches of at most ``size`` examples (none for an empty batch)."""
-    total = next(iter(batch.values())).shape[0]
+    total = _size(batch)
     for start in range(0, total, size):
         yield {key: value[start : start + size] for key, value in batch.items()}

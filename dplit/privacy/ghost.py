@@ -142,6 +142,11 @@ class GhostEngine(ClippingEngine):
             raise ValueError(f"trainable parameter {owned[0][0]!r} ({module_name!r}, {kind}): {reason}")
         return rule
 
+    @property
+    def tied_norm(self) -> TiedNorm:
+        """How parameters used more than once are normed: ``"exact"`` or ``"bound"``."""
+        return self._tied_norm
+
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
         """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass."""
         coverage = self.coverage()
@@ -151,13 +156,8 @@ class GhostEngine(ClippingEngine):
                 add_to_grad(param, torch.zeros_like(param))
             empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
             return ClipStats(losses=empty, norms=empty)
-        with torch.enable_grad(), _weight_gradients_off([p for _, p in coverage.parameters.values()]):
-            losses, calls = self._forward(loss_fn, batch, coverage)
-            _check_gradients_recorded(calls)
-            if losses.requires_grad:
-                losses.sum().backward()
+        losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            uses = _collect_uses(calls, coverage, dtype)
             squared = losses.new_zeros(losses.shape[0], dtype=dtype)
             for parameter_uses in uses.values():
                 squared = squared + parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)  # [B]
@@ -166,6 +166,33 @@ class GhostEngine(ClippingEngine):
             for key, (_, param) in coverage.parameters.items():
                 _add_clipped_sum(param, uses.get(key, []), factors)
         return ClipStats(losses=losses.detach(), norms=norms)
+
+    def parameter_norms(self, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor | None]:
+        """Each trainable parameter's per-example gradient norm [B] by name (``None``: no covered layer used it).
+
+        Leaves ``param.grad`` untouched; used to check the engine against autograd on the user's model.
+        """
+        coverage = self.coverage()
+        losses, uses = self._gradient_uses(
+            loss_fn, batch, coverage, _norm_dtype(p for _, p in coverage.parameters.values())
+        )
+        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+            return {
+                name: parameter_squared_norm(uses[key], tied_norm=self._tied_norm).sqrt() if key in uses else None
+                for key, (name, _) in coverage.parameters.items()
+            }
+
+    def _gradient_uses(
+        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype
+    ) -> tuple[Tensor, dict[int, list[GradientUse]]]:
+        """One forward and one backward (no weight gradients); each parameter's per-example uses by ``id``."""
+        with torch.enable_grad(), _weight_gradients_off([p for _, p in coverage.parameters.values()]):
+            losses, calls = self._forward(loss_fn, batch, coverage)
+            _check_gradients_recorded(calls)
+            if losses.requires_grad:
+                losses.sum().backward()
+        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+            return losses, _collect_uses(calls, coverage, dtype)
 
     def _forward(self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage) -> tuple[Tensor, list[ModuleCall]]:
         """Run ``loss_fn`` with covered modules recorded and every parameter use watched; check what ran."""

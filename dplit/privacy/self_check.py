@@ -1,0 +1,85 @@
+"""Checking the ghost engine on the user's own model: its per-parameter norms against autograd, example by example.
+
+Ghost clipping trusts that every covered layer sees batch-first inputs, runs its class's own ``forward`` and is
+the only way its parameters reach the loss. Architectures dplit has never seen can break these assumptions
+without any error, so before the first DP step :func:`check_ghost_norms` recomputes the per-example gradient of a
+few real examples with one plain autograd backward each and refuses, naming the parameter, when the ghost norms
+disagree (or when a trainable parameter gets no gradient through any covered layer).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dplit.privacy.engine import Batch, PerExampleLoss, trainable_parameters
+from dplit.privacy.ghost import GhostEngine
+
+
+def check_ghost_norms(
+    engine: GhostEngine, module: nn.Module, loss_fn: PerExampleLoss, batch: Batch, *, examples: int = 4
+) -> None:
+    """Refuse (``ValueError`` naming the parameter) ghost per-example norms that disagree with autograd's.
+
+    The module runs in eval mode (no dropout, so both passes see the same function) and ``param.grad`` is left
+    as it was. Agreement is to 1e-3 of each example's whole gradient norm (5e-2 for 16-bit weights); with
+    ``tied_norm="bound"`` a shared parameter's ghost norm may exceed autograd's, never fall below it.
+
+    Args:
+        engine: the ghost engine built for ``module``.
+        module: the model being trained.
+        loss_fn: the per-example loss the engine will clip.
+        batch: real examples; the first ``examples`` are used.
+        examples: how many examples to compare.
+    """
+    sample = {key: value[:examples] for key, value in batch.items()}
+    training = module.training
+    module.eval()
+    try:
+        reference = _autograd_norms(module, loss_fn, sample)  # first: it must see graphs a ghost pass would free
+        ghost = engine.parameter_norms(loss_fn, sample)
+    finally:
+        module.train(training)
+    whole = torch.stack(list(reference.values())).pow(2).sum(0).sqrt()  # [k] each example's norm
+    tolerance = 5e-2 if any(p.element_size() < 4 for p in trainable_parameters(module).values()) else 1e-3
+    for name, expected in reference.items():
+        _compare(name, ghost[name], expected, whole, tolerance, bound=engine.tied_norm == "bound")
+
+
+def _autograd_norms(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor]:
+    """Each trainable parameter's per-example gradient norm [k] from one backward per example."""
+    params = trainable_parameters(module)
+    size = next(iter(batch.values())).shape[0]
+    norms: dict[str, list[Tensor]] = {name: [] for name in params}
+    for i in range(size):
+        example = {key: value[i : i + 1] for key, value in batch.items()}  # [1, ...] per field
+        with torch.enable_grad():
+            loss = loss_fn(example)[0]
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+        for name, grad in zip(params, grads):
+            norms[name].append(torch.zeros(()) if grad is None else grad.detach().double().norm().cpu())
+    return {name: torch.stack(values) for name, values in norms.items()}
+
+
+def _compare(name: str, ghost: Tensor | None, expected: Tensor, whole: Tensor, tolerance: float, bound: bool) -> None:
+    """Raise unless the ghost norms of parameter ``name`` match autograd's."""
+    if ghost is None:
+        raise ValueError(
+            f"trainable parameter {name!r} is not used by any covered layer in the forward, so ghost clipping gives "
+            f"it no gradient (autograd's per-example norms: {_fmt(expected)}); a tensor derived from it before the "
+            "forward (e.g. a cached copy or cast) hides it: use the parameter inside its module, or freeze it"
+        )
+    ghost = ghost.detach().double().cpu()
+    error = expected - ghost if bound else (ghost - expected).abs()
+    if bool((error > tolerance * whole.clamp(min=1e-12)).any()):
+        raise ValueError(
+            f"ghost clipping self-check failed for trainable parameter {name!r}: per-example gradient norms "
+            f"{_fmt(ghost)} by ghost clipping, {_fmt(expected)} by autograd. Its layer is used in a way the norm "
+            "rules do not describe (input not batch-first, a replaced forward, a use outside its module); the "
+            "per-example bound would not hold. Use clipping='per_example' or fix the model"
+        )
+
+
+def _fmt(values: Tensor) -> str:
+    """A short list of norms."""
+    return "[" + ", ".join(f"{value:.4g}" for value in values.tolist()) + "]"
