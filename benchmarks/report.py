@@ -19,7 +19,12 @@ METHOD_NAMES = {
     "opacus_ghost": "opacus ghost",
 }
 TARGET_SIZE = {"model": "gpt2", "batch": 16, "seq_len": 128}
-"""The size the issue's targets are stated for (GPT-2 size, B = 16, T = 128, label-word head)."""
+"""The size the GPT-2 targets are stated for (GPT-2 size, B = 16, T = 128, label-word head)."""
+SMOLLM2_TARGET_SIZE = {"model": "smollm2", "batch": 16, "seq_len": 64}
+"""The size the SmolLM2 targets are stated for (SmolLM2-135M's shape, B = 16, T = 64, label-word head)."""
+TARGET_SIZES = (TARGET_SIZE, SMOLLM2_TARGET_SIZE)
+SIZE_NAMES = {"gpt2": "GPT-2 size", "smollm2": "SmolLM2-135M size", "distilgpt2": "DistilGPT-2 size", "tiny": "tiny",
+              "smollm2_tiny": "SmolLM2 depth, width 96"}
 
 Row = dict[str, Any]
 GroupKey = tuple[str, int, int]
@@ -80,8 +85,9 @@ def add_ratios(rows: list[Row]) -> None:
 def evaluate_targets(rows: list[Row]) -> list[dict[str, Any]]:
     """The issue's targets, evaluated for every (model, batch, seq_len) group measured.
 
-    Only the GPT-2 size, B = 16, T = 128 group is the official check (``official: true``); smaller sizes are
-    shown for orientation.
+    The official checks (``official: true``) are the GPT-2 targets at GPT-2 size, B = 16, T = 128 and the SmolLM2
+    targets (ghost tied and untied each ≤ 1.3× non-private step time and ≤ 1.15× peak memory) at SmolLM2-135M
+    size, B = 16, T = 64; every other check and size is shown for orientation.
     """
     results: list[dict[str, Any]] = []
     for (model, batch, seq_len), group in groups(rows).items():
@@ -95,14 +101,16 @@ def evaluate_targets(rows: list[Row]) -> list[dict[str, Any]]:
 def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatize: str) -> list[dict[str, Any]]:
     """The targets for one size, with the dplit rows of noise step ``privatize``."""
     results: list[dict[str, Any]] = []
-    official = {"model": model, "batch": batch, "seq_len": seq_len} == TARGET_SIZE
+    size = {"model": model, "batch": batch, "seq_len": seq_len}
+    gpt2_official, smollm2_official = size == TARGET_SIZE, size == SMOLLM2_TARGET_SIZE
     variant = PRIVATIZE_NAMES.get(privatize)
     plain_u, plain_t = _find(group, "non_private", "untied"), _find(group, "non_private", "tied")
     ghost_u, ghost_t = _find(group, "dplit_ghost", "untied", privatize), _find(group, "dplit_ghost", "tied", privatize)
     materialised = _find(group, "dplit_per_example", "tied", privatize) or _find(group, "dplit_per_example", "tied")
     opacus_ghost = _find(group, "opacus_ghost", "untied")
 
-    def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str) -> None:
+    def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str, smollm2: bool = False) -> None:
+        official = gpt2_official or (smollm2 and smollm2_official)  # smollm2: also a SmolLM2 target
         name = name + (f" [dplit with {variant}]" if variant else "")
         if not all(_ok(r) for r in needed):
             results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
@@ -115,9 +123,14 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
                         "detail": text.format(v=measured, limit=limit)})
 
     check("ghost untied step time <= 1.3x non-private", [ghost_u, plain_u],
-          lambda: ghost_u["step_time_s"] / plain_u["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)")
+          lambda: ghost_u["step_time_s"] / plain_u["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)", True)
     check("ghost untied peak memory <= 1.15x non-private", [ghost_u, plain_u],
-          lambda: ghost_u["peak_mem_mb"] / plain_u["peak_mem_mb"], 1.15, "{v:.2f}x (limit {limit}x)")
+          lambda: ghost_u["peak_mem_mb"] / plain_u["peak_mem_mb"], 1.15, "{v:.2f}x (limit {limit}x)", True)
+    if model == "smollm2":  # the SmolLM2 targets hold the tied model to the same limits against non-private tied
+        check("ghost tied step time <= 1.3x non-private", [ghost_t, plain_t],
+              lambda: ghost_t["step_time_s"] / plain_t["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)", True)
+        check("ghost tied peak memory <= 1.15x non-private", [ghost_t, plain_t],
+              lambda: ghost_t["peak_mem_mb"] / plain_t["peak_mem_mb"], 1.15, "{v:.2f}x (limit {limit}x)", True)
     check("ghost tied step time <= 1.1x ghost untied", [ghost_t, ghost_u],
           lambda: ghost_t["step_time_s"] / ghost_u["step_time_s"], 1.1, "{v:.2f}x (limit {limit}x)")
     check("ghost tied peak memory <= 1.1x ghost untied", [ghost_t, ghost_u],
@@ -186,8 +199,8 @@ def markdown(results: dict[str, Any]) -> str:
         *_run_lines(results),
         "",
         f"One optimizer step (forward, backward, clipping, noise σ={settings['sigma']}, C={settings['max_grad_norm']}, "
-        f"AdamW) on a random-init label-word GPT2Classifier, random tokens (all real, no padding), each configuration "
-        f"in its own process. Step time: median of {_step_counts(rows, settings)} "
+        f"AdamW) on a random-init label-word CausalLMClassifier ({_families(rows)}), random tokens (all real, no "
+        f"padding), each configuration in its own process. Step time: median of {_step_counts(rows, settings)} "
         f"(wall clock; `CPU s` is process CPU time, all threads). Memory: {memory} "
         "(`after model`: once the model and the batch exist, before the method's optimizer, engine or opacus "
         "wrapper; `peak − model` is what the method's training step adds). Ratios are to "
@@ -226,7 +239,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     targets = results["targets"]
     official = [t for t in targets if t["official"]]
-    lines += ["## Targets (GPT-2 size, B = 16, T = 128, label-word head)", ""]
+    sizes = [size for size in TARGET_SIZES if any(t["model"] == size["model"] for t in targets)] or [TARGET_SIZE]
+    lines += ["## Targets (" + "; ".join(f"{SIZE_NAMES[z['model']]}, B = {z['batch']}, T = {z['seq_len']}"
+                                         for z in sizes) + "; label-word head)", ""]
     if official:
         lines += _target_table(official)
     else:
@@ -235,6 +250,14 @@ def markdown(results: dict[str, Any]) -> str:
     if others:
         lines += ["### The same checks at the other sizes measured (orientation only)", ""] + _target_table(others)
     return "\n".join(lines)
+
+
+def _families(rows: list[Row]) -> str:
+    """'GPT-2 size' / 'SmolLM2-135M shape: Llama, 30 layers, width 576' for the model sizes in ``rows``."""
+    names = {"gpt2": "GPT-2 size", "distilgpt2": "DistilGPT-2 size", "tiny": "tiny GPT-2 (full vocabulary)",
+             "smollm2": "Llama of SmolLM2-135M's shape: 30 layers, width 576, 9/3 heads, 49152 vocabulary",
+             "smollm2_tiny": "Llama of SmolLM2's depth at width 96 (30 layers, 3/1 heads, 49152 vocabulary)"}
+    return "; ".join(names.get(m, m) for m in dict.fromkeys(r["model"] for r in rows))
 
 
 def _target_table(targets: list[dict[str, Any]]) -> list[str]:
@@ -282,12 +305,12 @@ def chart(results: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-MODEL_ORDER = ("gpt2", "distilgpt2", "tiny")
+MODEL_ORDER = ("gpt2", "smollm2", "distilgpt2", "smollm2_tiny", "tiny")
 
 
 def size_order(row: Row) -> tuple[bool, int, int, int]:
     """The target size first, then by model (GPT-2, DistilGPT-2, tiny), batch and length (stable within a size)."""
-    official = {"model": row["model"], "batch": row["batch"], "seq_len": row["seq_len"]} == TARGET_SIZE
+    official = {"model": row["model"], "batch": row["batch"], "seq_len": row["seq_len"]} in TARGET_SIZES
     model = MODEL_ORDER.index(row["model"]) if row["model"] in MODEL_ORDER else len(MODEL_ORDER)
     return (not official, model, -row["batch"], row["seq_len"])
 

@@ -3,8 +3,9 @@
     python -m benchmarks.run --quick              # tiny model, B=8, T=128: a few minutes on 2 CPU cores
     python -m benchmarks.run                      # GPT-2 and DistilGPT-2 size, B in {8, 16}, T=128 (hours on CPU)
     python -m benchmarks.run --models gpt2 --batch-sizes 16     # the size the targets are stated for
+    python -m benchmarks.run --models smollm2 --batch-sizes 16 --seq-len 64   # SmolLM2-135M's shape -> results/smollm2
 
-Configurations (``method:policy``), all on the same random-init label-word GPT2Classifier, batch and length:
+Configurations (``method:policy``), all on the same random-init label-word CausalLMClassifier, batch and length:
 non-private (tied and untied, the baselines of the ratios), dplit ghost (untied, tied), dplit per-example tied
 (the materialising baseline libraries fall back to for tied weights), opacus hooks and ghost on the untied model,
 opacus ghost on the tied model (refused by opacus: reported as such) and opacus hooks on the tied model.
@@ -30,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.step import PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
+from benchmarks.step import MODELS, PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = 0.15
@@ -51,7 +52,10 @@ DEFAULT_CONFIGS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model (2 layers, 128 wide, full vocabulary), B=8")
-    parser.add_argument("--models", nargs="+", choices=("gpt2", "distilgpt2", "tiny"), default=None)
+    parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=None,
+                        help="model sizes (default gpt2 distilgpt2; tiny with --quick); smollm2: SmolLM2-135M's "
+                             "shape (Llama, 30 layers, width 576), its targets are stated for --batch-sizes 16 "
+                             "--seq-len 64")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
@@ -87,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)  # see README: steady state
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
-    args.out = args.out or ROOT / "benchmarks" / "results" / ("quick" if args.quick else "")
+    only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("quick" if args.quick else "smollm2" if only_smollm2 else "")
     configs = []
     for config in args.configs:
         method, policy, privatize = (config.split(":") + [""])[:3]

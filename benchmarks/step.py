@@ -1,9 +1,9 @@
 """Time and measure ONE benchmark configuration in this process (``benchmarks.run`` starts one process each).
 
 A configuration is (method, embedding policy, model size, batch size B, sequence length T). Every method trains
-the same randomly initialised GPT2Classifier (label-word head, dropout 0, eager attention, same seed, so the
-same weights) on the same batch of B random token sequences of T real tokens, one full optimizer step per
-iteration:
+the same randomly initialised CausalLMClassifier (GPT-2 sizes, or ``smollm2``: a Llama of SmolLM2-135M's
+shape; label-word head, dropout 0, eager attention, same seed, so the same weights) on the same batch of B
+random token sequences of T real tokens, one full optimizer step per iteration:
 
 * ``non_private``: forward, backward of the mean loss, AdamW step.
 * ``dplit_ghost``: dplit's ghost engine (``tied_norm="exact"``) over the whole batch (micro-batch = batch), then
@@ -39,13 +39,49 @@ from typing import Any
 METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
 POLICIES = ("untied", "tied")
 PRIVATIZE_MODES = ("strategy", "flat", "per_parameter")
-MODELS: dict[str, dict[str, int]] = {
-    "gpt2": {"n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M parameters tied (GPT-2 small)
-    "distilgpt2": {"n_layer": 6, "n_embd": 768, "n_head": 12},  # 82M tied
-    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4},  # the --quick size; still GPT-2's 50257-token vocabulary
+SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M's shape: Llama, deep and narrow (30 layers, width 576)
+    "model_type": "llama",
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,  # grouped-query attention
+    "intermediate_size": 1536,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
 }
-VOCAB_SIZE = 50257
-LABEL_WORD_IDS = [7818, 1049]  # GPT-2 BPE " terrible", " great" (SST-2 label words)
+MODELS: dict[str, dict[str, Any]] = {
+    "gpt2": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M parameters tied (GPT-2 small)
+    "distilgpt2": {"model_type": "gpt2", "n_layer": 6, "n_embd": 768, "n_head": 12},  # 82M tied
+    "tiny": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4},  # --quick; GPT-2's full vocabulary
+    "smollm2": SMOLLM2_135M,  # 135M parameters tied (RMSNorm, SwiGLU MLP, rotary positions, no biases)
+    # SmolLM2's depth (30 layers) and 3:1 grouped-query heads at width 96: little compute, every per-layer and
+    # per-call cost of an engine exposed (what a GPU shows at full width); full vocabulary
+    "smollm2_tiny": {**SMOLLM2_135M, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
+                     "intermediate_size": 256},
+}
+VOCAB_SIZES = {"gpt2": 50257, "llama": 49152}
+"""Vocabulary by family: GPT-2's BPE, SmolLM2's tokenizer."""
+LABEL_WORDS = {"gpt2": [7818, 1049], "llama": [1109, 13321]}
+"""SST-2 label words " terrible", " great" in each family's tokenizer."""
+VOCAB_SIZE = VOCAB_SIZES["gpt2"]  # the GPT-2 sizes' (kept for callers of the former constants)
+LABEL_WORD_IDS = LABEL_WORDS["gpt2"]
+
+
+def family(model: str) -> str:
+    """The transformers ``model_type`` of a benchmark model size."""
+    return MODELS[model]["model_type"]
+
+
+def backbone_config(model: str, seq_len: int) -> dict[str, Any]:
+    """The random-init backbone's config (``CausalLMClassifier(config=...)``) for a size and sequence length."""
+    settings = dict(MODELS[model])
+    settings["vocab_size"] = VOCAB_SIZES[family(model)]
+    if family(model) == "gpt2":
+        settings["n_positions"] = max(1024, seq_len)
+    else:
+        settings["max_position_embeddings"] = max(8192, seq_len)  # SmolLM2's (rotary: no position table)
+    return settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,14 +139,14 @@ def others_share(before: tuple[int, int], after: tuple[int, int], own_cpu_s: flo
 
 def build_model(args: argparse.Namespace, device: Any) -> Any:
     from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-    from dplit.model import GPT2Classifier
+    from dplit.model import CausalLMClassifier
 
     embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
-    model = GPT2Classifier(
-        config={**MODELS[args.model], "vocab_size": VOCAB_SIZE, "n_positions": max(1024, args.seq_len)},
+    model = CausalLMClassifier(
+        config=backbone_config(args.model, args.seq_len),
         embeddings=embeddings,
         head="label_words",
-        label_word_ids=LABEL_WORD_IDS,
+        label_word_ids=LABEL_WORDS[family(args.model)],
         dropout=0.0,
         attn_implementation="eager",
         lr=args.lr,
@@ -123,10 +159,11 @@ def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     shape = (args.batch_size, args.seq_len)
+    vocab, classes = VOCAB_SIZES[family(args.model)], len(LABEL_WORDS[family(args.model)])
     return {
-        "input_ids": torch.randint(0, VOCAB_SIZE, shape, generator=generator).to(device),
+        "input_ids": torch.randint(0, vocab, shape, generator=generator).to(device),
         "attention_mask": torch.ones(shape, dtype=torch.long).to(device),  # all real tokens, no padding
-        "labels": torch.randint(0, len(LABEL_WORD_IDS), (args.batch_size,), generator=generator).to(device),
+        "labels": torch.randint(0, classes, (args.batch_size,), generator=generator).to(device),
     }
 
 
