@@ -81,9 +81,10 @@ def _pretrained_model(
     except OSError as error:
         raise ValueError(unloadable_message(pretrained, "model.pretrained", error)) from error
     _set_dropout(config, dropout)
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         pretrained, config=config, attn_implementation=attn_implementation, dtype=torch.float32, **source
     )
+    return model.train()  # from_pretrained returns eval mode; Lightning switches modes from here
 
 
 def _set_dropout(config: PretrainedConfig, dropout: float | None) -> None:

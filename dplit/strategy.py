@@ -256,7 +256,8 @@ class DPStrategy(DDPStrategy):
         """Once, on the first non-empty logical batch: the ghost engine's norms against autograd's (see ``self_check``)."""
         if not self._self_check_pending or not isinstance(self._engine, GhostEngine) or _size(batch) == 0:
             return
-        check_ghost_norms(self._engine, module, module.per_example_loss, batch)
+        examples = min(4, self._max_physical_batch_size)
+        check_ghost_norms(self._engine, module, module.per_example_loss, batch, examples=examples)
         self._self_check_pending = False
         rank_zero_info("DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
 

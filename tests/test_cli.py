@@ -9,14 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from dplit.cli import run_cli
+from dplit.embeddings import is_tied
 from dplit.strategy import DPStrategy
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
 
 CONFIGS = Path(__file__).parents[1] / "configs"
 GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.stem != "quickstart")
 TINY = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 256})
+TINY_LLAMA = json.dumps(
+    {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+)  # fmt: skip
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GLUE_FILES = {"sst2": (SST2_HEADER, SST2_ROWS), "qnli": (QNLI_HEADER, QNLI_ROWS), "qqp": (QQP_HEADER, QQP_ROWS)}
 
 
@@ -32,8 +39,12 @@ def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def config_task(config: Path) -> str:
+    return yaml.safe_load(config.read_text())["data"]["task"]
+
+
 def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
-    task = config.stem.split("_")[0]
+    task = config_task(config)
     header, rows = GLUE_FILES[task]
     folder = write_glue_task(tmp_path / task, header, rows * 4)
     return [
@@ -44,7 +55,7 @@ def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
         "--trainer.enable_progress_bar", "false",
         "--trainer.fast_dev_run", "1",
         "--model.pretrained", "null",
-        "--model.config", TINY,
+        "--model.config", TINY_LLAMA if config.stem.startswith("smollm2") else TINY,
         "--data.data_dir", str(folder),
         "--data.tokenizer", str(tokenizer_dir),
         "--data.batch_size", "4",
@@ -64,9 +75,8 @@ def test_quickstart_runs_one_private_step(tmp_path: Path) -> None:
 def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path, tiny_bpe_dir: Path) -> None:
     cli = run_cli(["fit", *glue_args(config, tmp_path, tiny_bpe_dir)])
     assert cli.trainer.strategy.accountant.steps == 1
-    assert cli.model.hparams.task == config.stem.split("_")[0]
-    tied = cli.model.backbone.lm_head.weight is cli.model.backbone.transformer.wte.weight
-    assert tied == config.stem.endswith("_tied")
+    assert cli.model.hparams.task == config_task(config)
+    assert is_tied(cli.model.backbone) == config.stem.endswith("_tied")
     if config.stem.startswith("qqp"):
         assert "val/f1" in cli.trainer.callback_metrics
 
@@ -144,6 +154,38 @@ def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, t
     assert cli.model.hparams.vocab_size == 50257 and cli.model.hparams.label_word_ids == [7818, 1049]
     assert cli.trainer.strategy.accountant.steps == 3 and 0 < metrics["privacy/epsilon"] <= 8.0
     assert torch.isfinite(metrics["train/loss"]) and "val/acc" in metrics
+
+
+@pytest.mark.parametrize("policy", ["tied", "untied"])
+def test_real_smollm2_gguf_takes_a_private_step_on_real_sst2(policy: str, shared_data_dir: Path, tmp_path: Path) -> None:
+    folder = shared_data_dir / "smollm2-135m-instruct"
+    if not (folder / SMOLLM2_GGUF).is_file():
+        pytest.skip(f"{folder / SMOLLM2_GGUF} is absent from DPLIT_DATA_DIR")
+    cli = run_cli([
+        "fit",
+        "--config", str(CONFIGS / f"smollm2_sst2_{policy}.yaml"),  # the offline override of its header
+        "--model.pretrained", str(folder), "--model.gguf_file", SMOLLM2_GGUF,
+        "--data.tokenizer", str(folder), "--data.gguf_file", SMOLLM2_GGUF,
+        "--data.data_dir", str(shared_data_dir / "glue" / "sst2"),
+        "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.accelerator", "cpu",
+        "--trainer.precision", "32-true",
+        "--trainer.enable_progress_bar", "false",
+        "--trainer.fast_dev_run", "1",
+        "--data.max_train_examples", "64",
+        "--data.max_eval_examples", "4",
+        "--data.batch_size", "4",
+        "--data.eval_batch_size", "4",
+        "--data.max_length", "32",
+    ])  # fmt: skip
+    backbone = cli.model.backbone
+    assert type(backbone).__name__ == "LlamaForCausalLM" and len(backbone.model.layers) == 30
+    assert is_tied(backbone) == (policy == "tied")
+    assert cli.model.hparams.label_word_ids == [13321, 1109]  # " terrible", " great" in SmolLM2's own tokenizer
+    if policy == "untied":  # started as a copy, then each got its own (noisy) update
+        assert not torch.equal(backbone.lm_head.weight, backbone.model.embed_tokens.weight)
+    assert cli.trainer.strategy.accountant.steps == 1 and 0 < cli.trainer.callback_metrics["privacy/epsilon"] <= 8
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
 def test_quickstart_learns_the_synthetic_task_within_its_budget(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from dplit.data.prompt import PromptTemplate, truncated_lengths
 from dplit.data.sources import read_glue_tsv
 from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic_tokenizer
 from dplit.data.tasks import QNLI, QQP, SST2, TASKS
-from dplit.data.tokenizer import build_word_tokenizer
+from dplit.data.tokenizer import build_word_tokenizer, label_word_ids
 from tests.glue_files import (
     QNLI_HEADER,
     QNLI_ROWS,
@@ -431,3 +431,14 @@ def test_real_sst2(shared_data_dir: Path) -> None:
     assert batch["input_ids"].shape[0] == 64 and batch["labels"].shape == (64,)
     first = data.tokenizer.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()])
     assert first == "it 's a charming and often affecting journey . It was"
+
+
+def test_smollm2_gguf_tokenizer_gives_its_own_label_word_ids(shared_data_dir: Path) -> None:
+    folder, gguf = shared_data_dir / "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not (folder / gguf).is_file():
+        pytest.skip(f"{folder / gguf} is absent from DPLIT_DATA_DIR")
+    tokenizer = load_tokenizer(folder, gguf_file=gguf)
+    assert len(tokenizer) == 49152 and tokenizer.pad_token is not None
+    assert label_word_ids(tokenizer, {"0": " terrible", "1": " great"}) == [13321, 1109]
+    with pytest.raises(ValueError, match=r"data.label_words: the word ' unforgettably' for label '1' must be exactly one"):
+        label_word_ids(tokenizer, {"0": " terrible", "1": " unforgettably"})

@@ -1,10 +1,13 @@
-"""GPT2Classifier and the embedding policies."""
+"""CausalLMClassifier (GPT2Classifier) and the embedding policies."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
 
+from dplit.data.tokenizer import load_tokenizer
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.model import GPT2Classifier
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
@@ -98,3 +101,27 @@ def test_missing_pretrained_folder_or_offline_hub_name_is_named() -> None:
         GPT2Classifier(pretrained="/nonexistent/gpt2-folder", label_word_ids=LABEL_WORDS)
     with pytest.raises(ValueError, match=r"model.pretrained='no-such-org/no-such-model' could not be loaded"):
         GPT2Classifier(pretrained="no-such-org/no-such-model", label_word_ids=LABEL_WORDS)
+
+
+def test_checkpoint_loading_errors_name_the_flag_package_or_id(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    with pytest.raises(ValueError, match=r"model.label_word_ids \[999\] are outside the vocabulary of size 40"):
+        make_model(label_word_ids=[3, 999])
+    with pytest.raises(ValueError, match=r"model.config: unknown model_type 'no-such-family'"):
+        make_model(config={"model_type": "no-such-family"})
+    with pytest.raises(ValueError, match=r"model.gguf_file: .*missing.gguf is not a file"):
+        GPT2Classifier(pretrained=str(tmp_path), gguf_file="missing.gguf", label_word_ids=LABEL_WORDS)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"model.gguf_file='model.gguf' needs the 'gguf' package"):
+        GPT2Classifier(pretrained=str(tmp_path), gguf_file="model.gguf", label_word_ids=LABEL_WORDS)
+    with pytest.raises(ValueError, match=r"data.gguf_file='model.gguf' needs the 'gguf' package"):
+        load_tokenizer(tmp_path, gguf_file="model.gguf")
+
+
+def test_config_backbones_of_other_families_and_their_position_limit() -> None:
+    llama = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 48}  # fmt: skip
+    model = make_model(config=llama, embeddings=TiedEmbeddings())
+    assert type(model.backbone).__name__ == "LlamaForCausalLM" and model.max_positions == 48
+    assert model.backbone.get_output_embeddings().weight is model.backbone.get_input_embeddings().weight
+    assert make_model().max_positions == TINY_GPT2["n_positions"]  # GPT-2's n_positions
