@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
+import re
+import zipfile
+from pathlib import Path
+from typing import Any, NoReturn
+
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
 from dplit.data import GlueDataModule
 from dplit.model import CausalLMClassifier
+
+_LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
+_PRIVACY_NUMBERS = {
+    "max_grad_norm": "a finite number > 0",
+    "noise_multiplier": "a finite number ≥ 0",
+    "target_epsilon": "a finite number > 0",
+    "target_delta": "a number in (0, 1)",
+}
+_KEY = re.compile(r"(?:Parser key \"|NestedArg\(key=')(?P<key>[^\"']+)")
+_VALUE = re.compile(r"(?:Given value: |Got value: |val=')(?P<value>[^'\n)]*)")
+_UNION_NOISE = ("Expected a ", "Given value", "Subtypes", "Does not validate", "Errors:", "Got value", "Parser key")
+
+
+def essential_error(message: str) -> str:
+    """The line of a jsonargparse union/nested error that states the broken rule (the whole message if none does)."""
+    key, value = _KEY.search(message), _VALUE.search(message)
+    if key is not None and value is not None and "Expected a <class 'float'>" in message:
+        name = key["key"].split(".")[-1]
+        if name in _PRIVACY_NUMBERS:
+            return f"trainer.strategy.init_args.{name}={value['value']!r}: must be {_PRIVACY_NUMBERS[name]}"
+        return f"{key['key']}={value['value']!r} is not a number"
+    for line in message.splitlines():
+        text = line.strip().lstrip("- ").strip()
+        noise = not text or text.startswith(_UNION_NOISE)
+        if not noise and ("DPStrategy" in text or "must be" in text or "set exactly one" in text):
+            return text
+    return message
+
+
+class DPLitArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors show the broken rule in one line instead of jsonargparse's union dump."""
+
+    @override
+    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
+        self.exit(2, f"dplit: error: {essential_error(message)}\n")
 
 
 class DPLitCLI(LightningCLI):
@@ -19,13 +59,42 @@ class DPLitCLI(LightningCLI):
             ("data.num_classes", "model.num_classes"),
             ("data.vocab_size", "model.vocab_size"),
             ("data.task", "model.task"),
+            ("data.max_length", "model.max_length"),
         ]:
             parser.link_arguments(source, target, apply_on="instantiate")
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            essential = essential_error(str(error))
+            if essential == str(error):
+                raise
+            raise ValueError(essential) from None
+
+
+def check_checkpoint_path(ckpt_path: str | None) -> None:
+    """Refuse a ``--ckpt_path`` that does not exist or is not a checkpoint, in one line naming it."""
+    if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_ALIASES or "://" in ckpt_path or ckpt_path.startswith("registry"):
+        return
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--ckpt_path {ckpt_path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"--ckpt_path {ckpt_path}: not a checkpoint (not a file written by torch.save / Lightning)")
 
 
 def run_cli(args: ArgsType = None) -> DPLitCLI:
     """Parse ``args`` (default ``sys.argv[1:]``), run the subcommand and return the CLI (trainer, model, data)."""
-    return DPLitCLI(CausalLMClassifier, GlueDataModule, args=args)
+    return DPLitCLI(CausalLMClassifier, GlueDataModule, parser_class=DPLitArgumentParser, args=args)
 
 
 def main(args: ArgsType = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import torch
@@ -34,6 +35,8 @@ class CausalLMClassifier(LightningModule):
         num_classes: number of classes K for the linear head when no label words are given.
         vocab_size: tokenizer size; sets the vocabulary of a config-built backbone, checked for a pretrained one.
         task: task name; QQP also reports F1.
+        max_length: the longest sequence the data will feed (linked from ``data.max_length``); refused when
+            above the backbone's position limit (``max_position_embeddings`` / GPT-2's ``n_positions``).
         dropout: overrides the backbone's dropout probabilities (``None`` keeps the checkpoint's).
         freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
@@ -56,6 +59,7 @@ class CausalLMClassifier(LightningModule):
         num_classes: int | None = None,
         vocab_size: int | None = None,
         task: str | None = None,
+        max_length: int | None = None,
         dropout: float | None = 0.0,
         freeze: list[str] | None = None,
         attn_implementation: Literal["eager", "sdpa"] = "eager",
@@ -76,6 +80,7 @@ class CausalLMClassifier(LightningModule):
             dropout=dropout,
             attn_implementation=attn_implementation,
         )
+        _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
         inputs, outputs = embedding_pair(self.backbone)
         _check_label_words(head, label_word_ids, outputs.weight.shape[0])
@@ -154,7 +159,13 @@ class CausalLMClassifier(LightningModule):
         params = [p for p in self.parameters() if p.requires_grad]
         hp = self.hparams
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
-        total = max(1, int(self.trainer.estimated_stepping_batches))
+        planned = self.trainer.estimated_stepping_batches
+        if not math.isfinite(planned) and hp.lr_schedule == "linear":
+            raise ValueError(
+                "model.lr_schedule='linear' decays to zero over the planned steps, but trainer.max_epochs and "
+                "trainer.max_steps are both -1: set one of them, or use model.lr_schedule=constant"
+            )
+        total = max(1, int(planned)) if math.isfinite(planned) else 1
         warmup = hp.warmup_steps
 
         def scale(step: int) -> float:
@@ -166,6 +177,14 @@ class CausalLMClassifier(LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _check_max_length(max_length: int | None, limit: int | None) -> None:
+    if max_length is not None and limit is not None and max_length > limit:
+        raise ValueError(
+            f"data.max_length={max_length} exceeds the model's position limit of {limit} tokens "
+            "(max_position_embeddings / n_positions): lower data.max_length"
+        )
 
 
 def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> None:

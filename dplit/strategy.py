@@ -139,6 +139,11 @@ class DPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         _check_trainer(trainer, self.precision_plugin)
+        if self._target_epsilon is not None and trainer.max_steps == -1 and trainer.max_epochs == -1:
+            raise ValueError(
+                "DPStrategy.target_epsilon spreads ε over the planned steps: set a finite trainer.max_epochs or "
+                "trainer.max_steps (both are -1), or give DPStrategy.noise_multiplier instead"
+            )
         module = self.lightning_module
         if not callable(getattr(module, "per_example_loss", None)):
             raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
@@ -374,12 +379,17 @@ class DPStrategy(DDPStrategy):
 def _check_privacy_arguments(
     max_grad_norm: float, noise_multiplier: float | None, target_epsilon: float | None, target_delta: float | None
 ) -> None:
-    if not max_grad_norm > 0:
-        raise ValueError(f"DPStrategy.max_grad_norm must be > 0, got {max_grad_norm}")
     if (noise_multiplier is None) == (target_epsilon is None):
-        raise ValueError("set exactly one of DPStrategy.noise_multiplier and DPStrategy.target_epsilon")
-    if noise_multiplier is not None and noise_multiplier < 0:
-        raise ValueError(f"DPStrategy.noise_multiplier must be ≥ 0, got {noise_multiplier}")
+        raise ValueError(
+            "set exactly one of DPStrategy.noise_multiplier and DPStrategy.target_epsilon "
+            f"(got noise_multiplier={noise_multiplier}, target_epsilon={target_epsilon})"
+        )
+    if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+        raise ValueError(f"DPStrategy.max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+    if noise_multiplier is not None and not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"DPStrategy.noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
+    if target_epsilon is not None and not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"DPStrategy.target_epsilon must be a finite number > 0, got {target_epsilon}")
     if target_delta is not None and not 0 < target_delta < 1:
         raise ValueError(f"DPStrategy.target_delta must be in (0, 1), got {target_delta}")
 

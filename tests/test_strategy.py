@@ -215,7 +215,7 @@ def test_trainer_settings_that_break_dp_are_refused(tmp_path: Path, trainer_kwar
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_grad_norm": 0.0, "noise_multiplier": 1.0}, "max_grad_norm must be > 0"),
+        ({"max_grad_norm": 0.0, "noise_multiplier": 1.0}, "max_grad_norm must be a finite number > 0"),
         ({"max_grad_norm": 1.0}, "exactly one of"),
         ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "target_epsilon": 3.0}, "exactly one of"),
         ({"max_grad_norm": 1.0, "noise_multiplier": 1.0, "target_delta": 2.0}, "target_delta"),

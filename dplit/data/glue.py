@@ -89,6 +89,7 @@ class GlueDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
+        self.max_length = max_length
         self.tokenizer: PreTrainedTokenizerBase = self._load_tokenizer(tokenizer, gguf_file, padding_side)
         self.label_words = _resolve_label_words(self.spec, label_words)
         self.label_word_ids: list[int] = label_word_ids(self.tokenizer, self.label_words)

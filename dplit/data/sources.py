@@ -50,6 +50,8 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
     """
     if not path.is_file():
         raise FileNotFoundError(f"GLUE {spec.name} file not found: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes); a GLUE {spec.name} TSV starts with its header row")
     texts: dict[str, list[str]] = {column: [] for column in spec.text_columns}
     labels: list[str] = []
     with path.open(encoding="utf-8-sig", newline="") as file:
