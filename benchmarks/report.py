@@ -79,6 +79,8 @@ def add_ratios(rows: list[Row]) -> None:
             usable = _ok(row) and _ok(base)
             row["step_time_ratio"] = row["step_time_s"] / base["step_time_s"] if usable else None
             row["peak_mem_ratio"] = row["peak_mem_mb"] / base["peak_mem_mb"] if usable else None
+            cpu = usable and row.get("step_cpu_s") and base.get("step_cpu_s")
+            row["step_cpu_ratio"] = row["step_cpu_s"] / base["step_cpu_s"] if cpu else None  # steadier when shared
             row["ratio_baseline"] = f"non_private/{row['policy']}"
 
 
@@ -201,7 +203,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"One optimizer step (forward, backward, clipping, noise σ={settings['sigma']}, C={settings['max_grad_norm']}, "
         f"AdamW) on a random-init label-word CausalLMClassifier ({_families(rows)}), random tokens (all real, no "
         f"padding), each configuration in its own process. Step time: median of {_step_counts(rows, settings)} "
-        f"(wall clock; `CPU s` is process CPU time, all threads). Memory: {memory} "
+        f"(wall clock; `CPU s` is process CPU time, all threads, and `CPU ×` its ratio to non-private: with 1 torch "
+        f"thread the steadier measure when other processes share the machine). Memory: {memory} "
         "(`after model`: once the model and the batch exist, before the method's optimizer, engine or opacus "
         "wrapper; `peak − model` is what the method's training step adds). Ratios are to "
         "non-private training of the same model (same size and embedding policy) in the same run.",
@@ -219,9 +222,9 @@ def markdown(results: dict[str, Any]) -> str:
         counts = ", ".join(f"{sizes[p] / 1e6:.1f}M parameters {p}" for p in ("untied", "tied") if p in sizes)
         lines += [f"## {model}, B = {batch}, T = {seq_len}" + (f" ({counts})" if counts else ""), ""]
         lines += [
-            "| method | embeddings | status | step time (s) | × non-private | CPU s | peak mem (MB) | × non-private "
-            "| after model (MB) | peak − model (MB) | others | note |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            "| method | embeddings | status | step time (s) | × non-private | CPU s | CPU × | peak mem (MB) "
+            "| × non-private | after model (MB) | peak − model (MB) | others | note |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for row in group:
             overhead = row["peak_mem_mb"] - row["baseline_mem_mb"] if row.get("peak_mem_mb") else None
@@ -231,7 +234,8 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {display_name(row)} | {row['policy']} | {row['status']} | "
                 f"{_fmt(row.get('step_time_s'), '.3f')} | {_fmt(row.get('step_time_ratio'), '.2f')} | "
-                f"{_fmt(row.get('step_cpu_s'), '.2f')} | {_fmt(row.get('peak_mem_mb'), '.0f')} | "
+                f"{_fmt(row.get('step_cpu_s'), '.2f')} | {_fmt(row.get('step_cpu_ratio'), '.2f')} | "
+                f"{_fmt(row.get('peak_mem_mb'), '.0f')} | "
                 f"{_fmt(row.get('peak_mem_ratio'), '.2f')} | {_fmt(row.get('baseline_mem_mb'), '.0f')} | "
                 f"{_fmt(overhead, '.0f')} | {_fmt(row.get('others_share'), '.0%')} | "
                 f"{note.replace('|', '/').splitlines()[0][:160] if note else ''} |"
@@ -248,7 +252,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["Not measured in this run.", ""]
     others = [t for t in targets if not t["official"]]
     if others:
-        lines += ["### The same checks at the other sizes measured (orientation only)", ""] + _target_table(others)
+        lines += ["### Other checks and sizes (orientation only)", ""] + _target_table(others)
     return "\n".join(lines)
 
 
