@@ -35,6 +35,6 @@ class ResourceMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         elapsed = time.perf_counter() - self._started
-        examples = batch["labels"].shape[0] if isinstance(batch, dict) and "labels" in batch else 0
+        examples = batch["input_ids"].shape[0] if isinstance(batch, dict) and "input_ids" in batch else 0
         pl_module.log("memory/peak_mb", peak_memory_mb(pl_module.device), on_step=True, batch_size=1)
         pl_module.log("perf/samples_per_sec", examples / max(elapsed, 1e-9), on_step=True, batch_size=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
@@ -11,6 +12,8 @@ from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCL
 from typing_extensions import override
 
 from dplit.data import GlueDataModule
+from dplit.data.text import TextDataModule
+from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
@@ -50,17 +53,19 @@ class DPLitArgumentParser(LightningArgumentParser):
 
 
 class DPLitCLI(LightningCLI):
-    """LightningCLI that feeds the data's label words, vocabulary size and task into the model."""
+    """LightningCLI that feeds the data's label words, vocabulary size, task and length limit into the model."""
+
+    links: tuple[tuple[str, str], ...] = (
+        ("data.label_word_ids", "model.label_word_ids"),
+        ("data.num_classes", "model.num_classes"),
+        ("data.vocab_size", "model.vocab_size"),
+        ("data.task", "model.task"),
+        ("data.max_length", "model.max_length"),
+    )
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        for source, target in [
-            ("data.label_word_ids", "model.label_word_ids"),
-            ("data.num_classes", "model.num_classes"),
-            ("data.vocab_size", "model.vocab_size"),
-            ("data.task", "model.task"),
-            ("data.max_length", "model.max_length"),
-        ]:
+        for source, target in self.links:
             parser.link_arguments(source, target, apply_on="instantiate")
 
     @override
@@ -81,6 +86,12 @@ class DPLitCLI(LightningCLI):
             raise ValueError(essential) from None
 
 
+class DPLitLMCLI(DPLitCLI):
+    """The ``dplit lm`` command: CausalLanguageModel on TextDataModule (vocabulary size and length linked)."""
+
+    links = (("data.vocab_size", "model.vocab_size"), ("data.max_length", "model.max_length"))
+
+
 def check_checkpoint_path(ckpt_path: str | None) -> None:
     """Refuse a ``--ckpt_path`` that does not exist or is not a checkpoint, in one line naming it."""
     if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_ALIASES or "://" in ckpt_path or ckpt_path.startswith("registry"):
@@ -97,6 +108,15 @@ def run_cli(args: ArgsType = None) -> DPLitCLI:
     return DPLitCLI(CausalLMClassifier, GlueDataModule, parser_class=DPLitArgumentParser, args=args)
 
 
+def run_lm_cli(args: ArgsType = None) -> DPLitLMCLI:
+    """Like :func:`run_cli`, for private next-token fine-tuning (``dplit lm fit --config configs/lm_X.yaml``)."""
+    return DPLitLMCLI(CausalLanguageModel, TextDataModule, parser_class=DPLitArgumentParser, args=args)
+
+
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``dplit fit|validate|test --config configs/X.yaml``."""
-    run_cli(args)
+    """Entry point of ``dplit fit|validate|test --config X.yaml`` and ``dplit lm fit|validate --config X.yaml``."""
+    argv = list(sys.argv[1:] if args is None else args)
+    if argv[:1] == ["lm"]:
+        run_lm_cli(argv[1:])
+    else:
+        run_cli(argv)

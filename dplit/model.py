@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
-from dplit.backbone import build_causal_lm
-from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings, embedding_pair
-
-Batch = dict[str, Tensor]
+from dplit.embeddings import EmbeddingPolicy, embedding_pair
+from dplit.module import Batch, CausalLMModule, positions_of
 
 
-class CausalLMClassifier(LightningModule):
+class CausalLMClassifier(CausalLMModule):
     """Causal-LM classifier scoring label words through the LM head (or a linear head) at the last real token.
 
     Args:
@@ -70,18 +66,17 @@ class CausalLMClassifier(LightningModule):
         lr_schedule: Literal["linear", "constant"] = "linear",
     ) -> None:
         super().__init__()
-        self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
-        self.backbone = build_causal_lm(
+        self.build_backbone(
+            embeddings=embeddings,
             pretrained=pretrained,
             gguf_file=gguf_file,
             config=config,
             vocab_size=vocab_size,
+            max_length=max_length,
             dropout=dropout,
             attn_implementation=attn_implementation,
         )
-        _check_max_length(max_length, self.max_positions)
-        self.embeddings.apply(self.backbone)
         inputs, outputs = embedding_pair(self.backbone)
         _check_label_words(head, label_word_ids, outputs.weight.shape[0])
         classes = len(label_word_ids) if label_word_ids else num_classes
@@ -91,25 +86,14 @@ class CausalLMClassifier(LightningModule):
         self.score = nn.Linear(inputs.weight.shape[1], classes, bias=False) if head == "linear" else None
         if head == "linear" and outputs.weight is not inputs.weight:
             outputs.requires_grad_(False)
-        _freeze(self, freeze or [])
+        self.freeze_prefixes(freeze or [])
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
-
-    @property
-    def max_positions(self) -> int | None:
-        """The longest sequence the backbone's position embedding or rotary setting allows (``None``: no limit known)."""
-        return getattr(self.backbone.config, "max_position_embeddings", None)
-
-    @override
-    def on_fit_start(self) -> None:
-        """Record the embedding policy (e.g. ``UntiedEmbeddings(init='copy')``) as a hyperparameter."""
-        for logger in self.loggers:
-            logger.log_hyperparams({"embedding_policy": repr(self.embeddings)})
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """Class logits [B, K] read at each sequence's last real token (left or right padding)."""
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: same ids for either padding side
+        positions = positions_of(attention_mask)  # [B, T]: same ids for either padding side
         hidden = self.backbone.base_model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
         ).last_hidden_state  # [B, T, d]
@@ -153,39 +137,6 @@ class CausalLMClassifier(LightningModule):
             self.val_f1(logits, labels)
             self.log(f"{stage}/f1", self.val_f1, batch_size=size)
 
-    @override
-    def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with linear warm-up and (by default) linear decay to zero over the planned steps."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        hp = self.hparams
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
-        planned = self.trainer.estimated_stepping_batches
-        if not math.isfinite(planned) and hp.lr_schedule == "linear":
-            raise ValueError(
-                "model.lr_schedule='linear' decays to zero over the planned steps, but trainer.max_epochs and "
-                "trainer.max_steps are both -1: set one of them, or use model.lr_schedule=constant"
-            )
-        total = max(1, int(planned)) if math.isfinite(planned) else 1
-        warmup = hp.warmup_steps
-
-        def scale(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if hp.lr_schedule == "constant":
-                return 1.0
-            return max(0.0, (total - step) / max(1, total - warmup))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _check_max_length(max_length: int | None, limit: int | None) -> None:
-    if max_length is not None and limit is not None and max_length > limit:
-        raise ValueError(
-            f"data.max_length={max_length} exceeds the model's position limit of {limit} tokens "
-            "(max_position_embeddings / n_positions): lower data.max_length"
-        )
-
 
 def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: int) -> None:
     if head == "linear":
@@ -197,17 +148,6 @@ def _check_label_words(head: str, label_word_ids: list[int] | None, vocab_size: 
     outside = [i for i in label_word_ids if not 0 <= i < vocab_size]
     if outside:
         raise ValueError(f"model.label_word_ids {outside} are outside the vocabulary of size {vocab_size}")
-
-
-def _freeze(module: nn.Module, prefixes: list[str]) -> None:
-    names = [name for name, _ in module.named_parameters()]
-    for prefix in prefixes:
-        matched = [n for n in names if n.startswith(prefix)]
-        if not matched:
-            raise ValueError(f"model.freeze: no parameter name starts with {prefix!r}")
-        for name, param in module.named_parameters():
-            if name in matched:
-                param.requires_grad_(False)
 
 
 class GPT2Classifier(CausalLMClassifier):

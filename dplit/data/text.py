@@ -1,0 +1,271 @@
+"""TextDataModule: a user's corpus (local JSONL / CSV / TXT, a hub dataset, or the built-in one) for next-token training.
+
+One example per row: a ``text`` column, or ``prompt`` + ``response`` columns (instruction data, loss on the
+response only). Rows are never packed together: under DP the privacy unit is the example, and a row that
+shared a sequence with others would let its gradient leak into theirs. Each example is tokenised as the
+model's tokenizer does (its BOS if it adds one), followed by its end-of-text token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypedDict
+
+import datasets
+import torch
+from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from transformers import PreTrainedTokenizerBase
+
+from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
+from dplit.data.tokenizer import load_tokenizer
+
+Split = Literal["train", "validation"]
+BUILTIN = "builtin"
+_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+
+
+class TextExample(TypedDict):
+    """One tokenised example: its token ids and which of them are trained (1) or context only (0)."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+@dataclass(frozen=True)
+class TextRows:
+    """Raw rows of one split: a text each, or a prompt and a response each, and where they came from."""
+
+    texts: list[str] | None
+    prompts: list[str] | None
+    responses: list[str] | None
+    source: str
+
+
+class TextDataset(Dataset[TextExample]):
+    """Tokenised examples."""
+
+    def __init__(self, examples: list[TextExample]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> TextExample:
+        return self.examples[index]
+
+
+class TextCollator:
+    """Pads examples to the longest (right or left); an empty list gives tensors of batch size 0.
+
+    Args:
+        pad_token_id: token id written at padded positions (attention and loss masks are 0 there).
+        padding_side: ``"right"`` or ``"left"``.
+    """
+
+    def __init__(self, pad_token_id: int, padding_side: Literal["right", "left"] = "right") -> None:
+        if padding_side not in ("right", "left"):
+            raise ValueError(f"data.padding_side must be 'right' or 'left', got {padding_side!r}")
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+
+    def __call__(self, examples: Sequence[TextExample]) -> dict[str, Tensor]:
+        """``input_ids``, ``attention_mask`` and ``loss_mask``, each LongTensor[B, T]."""
+        width = max((len(example["input_ids"]) for example in examples), default=1)
+        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
+        attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+        for row, example in enumerate(examples):
+            length = len(example["input_ids"])
+            span = slice(0, length) if self.padding_side == "right" else slice(width - length, width)
+            input_ids[row, span] = torch.tensor(example["input_ids"], dtype=torch.long)
+            attention_mask[row, span] = 1
+            loss_mask[row, span] = torch.tensor(example["loss_mask"], dtype=torch.long)
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+class TextDataModule(LightningDataModule):
+    """Text for private next-token fine-tuning.
+
+    Args:
+        dataset: ``"builtin"`` (the offline corpus of :mod:`dplit.data.corpus`, with its own tokenizer) or a
+            Hugging Face hub dataset name (loaded with ``datasets.load_dataset``); ignored for local files.
+        train_file: a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.txt`` file (a TXT file is one text per line).
+        val_file: the local validation file (required with ``train_file``).
+        text_column: the text column (plain text data).
+        prompt_column: the prompt column of instruction data (set with ``response_column``); the loss is then
+            on the response tokens only and ``text_column`` is unused.
+        response_column: the response column of instruction data.
+        tokenizer: hub name or folder of the model whose tokenizer is used (ignored for ``builtin``).
+        gguf_file: a GGUF checkpoint inside the ``tokenizer`` folder.
+        batch_size: expected logical training batch size.
+        eval_batch_size: validation batch size.
+        max_length: longest example in tokens (end-of-text token included).
+        overlength: an example longer than ``max_length`` is cut at its end (``"truncate"``) or refused with its
+            file and row (``"refuse"``).
+        packing: must stay ``False``: packing several rows into one sequence breaks the per-example privacy unit.
+        padding_side: pad batches on the right or the left.
+        num_workers: DataLoader worker processes.
+        max_train_examples: use only the first N training rows.
+        max_eval_examples: use only the first N validation rows.
+        builtin_train_size: training texts of the built-in corpus.
+        builtin_val_size: validation texts of the built-in corpus.
+        seed: seed of the built-in corpus.
+    """
+
+    def __init__(
+        self,
+        dataset: str = BUILTIN,
+        train_file: str | None = None,
+        val_file: str | None = None,
+        text_column: str = "text",
+        prompt_column: str | None = None,
+        response_column: str | None = None,
+        tokenizer: str = "gpt2",
+        gguf_file: str | None = None,
+        batch_size: int = 32,
+        eval_batch_size: int = 64,
+        max_length: int = 256,
+        overlength: Literal["truncate", "refuse"] = "truncate",
+        packing: bool = False,
+        padding_side: Literal["right", "left"] = "right",
+        num_workers: int = 0,
+        max_train_examples: int | None = None,
+        max_eval_examples: int | None = None,
+        builtin_train_size: int = 4000,
+        builtin_val_size: int = 400,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if packing:
+            raise ValueError(
+                "data.packing=true is refused under DP: packing puts several rows in one sequence, so one "
+                "row's tokens shape another's gradient and the per-example privacy unit breaks"
+            )
+        if (prompt_column is None) != (response_column is None):
+            raise ValueError("set both data.prompt_column and data.response_column (instruction data), or neither")
+        if (train_file is None) != (val_file is None):
+            raise ValueError("set both data.train_file and data.val_file, or neither")
+        if overlength not in ("truncate", "refuse"):
+            raise ValueError(f"data.overlength must be 'truncate' or 'refuse', got {overlength!r}")
+        for name, value in {"batch_size": batch_size, "eval_batch_size": eval_batch_size, "max_length": max_length}.items():
+            if value < 2 if name == "max_length" else value < 1:
+                raise ValueError(f"data.{name} must be a positive integer (max_length ≥ 2), got {value}")
+        self.batch_size, self.eval_batch_size, self.max_length = batch_size, eval_batch_size, max_length
+        self.num_workers = num_workers
+        builtin = dataset == BUILTIN and train_file is None
+        self.tokenizer: PreTrainedTokenizerBase = build_corpus_tokenizer() if builtin else load_tokenizer(tokenizer, gguf_file)
+        self.tokenizer.padding_side = padding_side
+        if self.tokenizer.eos_token_id is None:
+            raise ValueError(f"data.tokenizer={tokenizer!r} has no end-of-text token to end each example with")
+        self.vocab_size: int = len(self.tokenizer)
+        self.collate_fn = TextCollator(self.tokenizer.pad_token_id, padding_side)
+        self._datasets: dict[Split, TextDataset] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and tokenise the splits the stage needs."""
+        if stage in ("fit", None):
+            self.dataset("train")
+        self.dataset("validation")
+
+    def dataset(self, split: Split) -> TextDataset:
+        """The tokenised ``"train"`` or ``"validation"`` split, read on first use."""
+        if split not in self._datasets:
+            rows = self._read(split)
+            examples = encode_rows(rows, self.tokenizer, self.max_length, self.hparams.overlength)
+            if not examples:
+                raise ValueError(f"{rows.source}: the {split} split has no examples")
+            rank_zero_info(f"{split}: {len(examples)} examples from {rows.source}")
+            self._datasets[split] = TextDataset(examples)
+        return self._datasets[split]
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches (DPStrategy swaps in Poisson sampling)."""
+        return self._loader("train", self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches, in order."""
+        return self._loader("validation", self.eval_batch_size, shuffle=False)
+
+    def _loader(self, split: Split, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+        )  # fmt: skip
+
+    def _read(self, split: Split) -> TextRows:
+        hp = self.hparams
+        limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
+        if hp.train_file is not None:
+            return read_rows(Path(hp.train_file if split == "train" else hp.val_file), self._columns(), limit)
+        if hp.dataset == BUILTIN:
+            size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
+            texts = make_corpus_split(split, size if limit is None else min(size, limit), hp.seed)
+            return TextRows(texts, None, None, f"builtin corpus [{split}, seed={hp.seed}]")
+        table = datasets.load_dataset(hp.dataset, split=split if limit is None else f"{split}[:{limit}]")
+        return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]")
+
+    def _columns(self) -> tuple[str, ...]:
+        hp = self.hparams
+        return (hp.prompt_column, hp.response_column) if hp.prompt_column else (hp.text_column,)
+
+
+def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) -> TextRows:
+    """Read the ``columns`` of a local JSONL / JSON / CSV / TXT file with ``datasets``.
+
+    Raises:
+        ValueError: naming the file for a missing file, an unknown suffix, a missing column, or no rows.
+    """
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file")
+    builder = _BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(_BUILDERS)}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path}: the file is empty (0 bytes)")
+    table = datasets.load_dataset(builder, data_files=str(path), split="train")
+    if builder == "text":
+        table = table.rename_column("text", columns[0]) if len(columns) == 1 and columns[0] != "text" else table
+    if limit is not None:
+        table = table.select(range(min(limit, len(table))))
+    return _rows_of(table, columns, str(path))
+
+
+def _rows_of(table: datasets.Dataset, columns: tuple[str, ...], source: str) -> TextRows:
+    missing = [column for column in columns if column not in table.column_names]
+    if missing:
+        raise ValueError(f"{source}: missing column(s) {missing}; the file has {table.column_names}")
+    values = [[value if value is not None else "" for value in table[column]] for column in columns]
+    if len(columns) == 1:
+        return TextRows(values[0], None, None, source)
+    return TextRows(None, values[0], values[1], source)
+
+
+def encode_rows(
+    rows: TextRows, tokenizer: PreTrainedTokenizerBase, max_length: int, overlength: str
+) -> list[TextExample]:
+    """Tokenise every row (text, or prompt + response), end it with end-of-text, and apply ``overlength``."""
+    eos = tokenizer.eos_token_id
+    examples = []
+    contexts = rows.prompts if rows.prompts is not None else [""] * len(rows.texts or [])
+    targets = rows.responses if rows.responses is not None else rows.texts or []
+    for index, (context, target) in enumerate(zip(contexts, targets)):
+        if not str(target).strip():
+            what = "response" if rows.responses is not None else "text"
+            raise ValueError(f"{rows.source}, row {index + 1}: empty {what}")
+        prompt_ids = tokenizer.encode(str(context)) if context else []
+        target_ids = tokenizer.encode(str(target), add_special_tokens=not prompt_ids) + [eos]
+        ids, trained = prompt_ids + target_ids, [0] * len(prompt_ids) + [1] * len(target_ids)
+        if len(ids) > max_length:
+            if overlength == "refuse" or len(prompt_ids) + 1 >= max_length:
+                raise ValueError(
+                    f"{rows.source}, row {index + 1}: {len(ids)} tokens, longer than data.max_length={max_length}"
+                    + (" (set data.overlength=truncate to cut it)" if overlength == "refuse" else " (the prompt fills it)")
+                )
+            ids, trained = ids[:max_length], trained[:max_length]
+        examples.append(TextExample(input_ids=ids, loss_mask=trained))
+    return examples

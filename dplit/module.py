@@ -1,0 +1,110 @@
+"""CausalLMModule: what every dplit LightningModule shares: a causal LM backbone, its embedding policy, AdamW."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from typing_extensions import override
+
+from dplit.backbone import build_causal_lm
+from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+
+Batch = dict[str, Tensor]
+
+
+class CausalLMModule(LightningModule):
+    """A causal LM backbone with an embedding policy, trained by AdamW with linear warm-up and decay.
+
+    Subclasses call :meth:`build_backbone` in ``__init__`` (after ``save_hyperparameters``, whose names the
+    optimizer reads: ``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``lr_schedule``) and define
+    ``per_example_loss(batch) -> Tensor[B]``, the loss DPStrategy clips example by example.
+    """
+
+    def build_backbone(
+        self,
+        *,
+        embeddings: EmbeddingPolicy | None,
+        pretrained: str | None,
+        gguf_file: str | None,
+        config: dict[str, Any] | None,
+        vocab_size: int | None,
+        max_length: int | None,
+        dropout: float | None,
+        attn_implementation: str,
+    ) -> None:
+        """Build ``self.backbone`` (see :func:`dplit.backbone.build_causal_lm`) and apply the embedding policy."""
+        self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
+        self.backbone = build_causal_lm(
+            pretrained=pretrained,
+            gguf_file=gguf_file,
+            config=config,
+            vocab_size=vocab_size,
+            dropout=dropout,
+            attn_implementation=attn_implementation,
+        )
+        _check_max_length(max_length, self.max_positions)
+        self.embeddings.apply(self.backbone)
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the backbone's position embedding or rotary setting allows (``None``: no limit known)."""
+        return getattr(self.backbone.config, "max_position_embeddings", None)
+
+    def freeze_prefixes(self, prefixes: list[str]) -> None:
+        """Freeze every parameter whose name starts with one of ``prefixes`` (each must match something)."""
+        names = [name for name, _ in self.named_parameters()]
+        for prefix in prefixes:
+            matched = [n for n in names if n.startswith(prefix)]
+            if not matched:
+                raise ValueError(f"model.freeze: no parameter name starts with {prefix!r}")
+            for name, param in self.named_parameters():
+                if name in matched:
+                    param.requires_grad_(False)
+
+    @override
+    def on_fit_start(self) -> None:
+        """Record the embedding policy (e.g. ``UntiedEmbeddings(init='copy')``) as a hyperparameter."""
+        for logger in self.loggers:
+            logger.log_hyperparams({"embedding_policy": repr(self.embeddings)})
+
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with linear warm-up and (by default) linear decay to zero over the planned steps."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
+        planned = self.trainer.estimated_stepping_batches
+        if not math.isfinite(planned) and hp.lr_schedule == "linear":
+            raise ValueError(
+                "model.lr_schedule='linear' decays to zero over the planned steps, but trainer.max_epochs and "
+                "trainer.max_steps are both -1: set one of them, or use model.lr_schedule=constant"
+            )
+        total = max(1, int(planned)) if math.isfinite(planned) else 1
+        warmup = hp.warmup_steps
+
+        def scale(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if hp.lr_schedule == "constant":
+                return 1.0
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def positions_of(attention_mask: Tensor) -> Tensor:
+    """Position ids [B, T] counting real tokens only, so left and right padding give the same ids."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+
+
+def _check_max_length(max_length: int | None, limit: int | None) -> None:
+    if max_length is not None and limit is not None and max_length > limit:
+        raise ValueError(
+            f"data.max_length={max_length} exceeds the model's position limit of {limit} tokens "
+            "(max_position_embeddings / n_positions): lower data.max_length"
+        )
