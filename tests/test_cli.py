@@ -17,7 +17,7 @@ from dplit.strategy import DPStrategy
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if p.stem != "quickstart")
+GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if "task" in yaml.safe_load(p.read_text())["data"])
 TINY = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 256})
 TINY_LLAMA = json.dumps(
     {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
@@ -84,7 +84,8 @@ def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path,
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_config_has_header_with_exact_command(config: Path) -> None:
     header = config.read_text().split("\n\n")[0]
-    assert header.startswith("# ") and f"dplit fit --config configs/{config.name}" in header
+    command = "dplit lm fit" if "task" not in yaml.safe_load(config.read_text())["data"] else "dplit fit"
+    assert header.startswith("# ") and f"{command} --config configs/{config.name}" in header
 
 
 def test_print_config_shows_linked_and_overridden_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
