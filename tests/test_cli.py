@@ -17,7 +17,6 @@ from dplit.strategy import DPStrategy
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if "task" in yaml.safe_load(p.read_text())["data"])
 TINY = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 256})
 TINY_LLAMA = json.dumps(
     {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
@@ -25,6 +24,7 @@ TINY_LLAMA = json.dumps(
 )  # fmt: skip
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GLUE_FILES = {"sst2": (SST2_HEADER, SST2_ROWS), "qnli": (QNLI_HEADER, QNLI_ROWS), "qqp": (QQP_HEADER, QQP_ROWS)}
+GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
 
 
 def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
