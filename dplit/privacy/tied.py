@@ -157,5 +157,5 @@ class ParameterUseMonitor(TorchFunctionMode):
         self.violations.append(
             f"parameter {owner.name!r} is used by {getattr(func, '__name__', func)} {where}: ghost clipping "
             "only sees uses through the covered modules that own it, so its per-example norm would be "
-            "under-counted; call the owning module instead (e.g. lm_head(h), not F.linear(h, wte.weight))"
+            "under-counted; call the owning module instead (e.g. lm_head(h), not F.linear(h, embedding.weight))"
         )
