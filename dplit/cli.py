@@ -94,7 +94,12 @@ class DPLitLMCLI(DPLitCLI):
 
 def check_checkpoint_path(ckpt_path: str | None) -> None:
     """Refuse a ``--ckpt_path`` that does not exist or is not a checkpoint, in one line naming it."""
-    if ckpt_path is None or ckpt_path in _LIGHTNING_CKPT_ALIASES or "://" in ckpt_path or ckpt_path.startswith("registry"):
+    if (
+        ckpt_path is None
+        or ckpt_path in _LIGHTNING_CKPT_ALIASES
+        or "://" in ckpt_path
+        or ckpt_path.startswith("registry")
+    ):
         return
     path = Path(ckpt_path).expanduser()
     if not path.is_file():

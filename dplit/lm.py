@@ -108,6 +108,7 @@ class CausalLanguageModel(CausalLMModule):
 
     @override
     def on_validation_epoch_start(self) -> None:
+        """Reset the validation token-loss totals."""
         self._val_loss_sum, self._val_tokens = 0.0, 0
 
     @override

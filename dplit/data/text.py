@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
+from typing_extensions import override
 
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.tokenizer import load_tokenizer
@@ -152,13 +153,19 @@ class TextDataModule(LightningDataModule):
             raise ValueError("set both data.train_file and data.val_file, or neither")
         if overlength not in ("truncate", "refuse"):
             raise ValueError(f"data.overlength must be 'truncate' or 'refuse', got {overlength!r}")
-        for name, value in {"batch_size": batch_size, "eval_batch_size": eval_batch_size, "max_length": max_length}.items():
+        for name, value in {
+            "batch_size": batch_size,
+            "eval_batch_size": eval_batch_size,
+            "max_length": max_length,
+        }.items():
             if value < 2 if name == "max_length" else value < 1:
                 raise ValueError(f"data.{name} must be a positive integer (max_length ≥ 2), got {value}")
         self.batch_size, self.eval_batch_size, self.max_length = batch_size, eval_batch_size, max_length
         self.num_workers = num_workers
         builtin = dataset == BUILTIN and train_file is None
-        self.tokenizer: PreTrainedTokenizerBase = build_corpus_tokenizer() if builtin else load_tokenizer(tokenizer, gguf_file)
+        self.tokenizer: PreTrainedTokenizerBase = (
+            build_corpus_tokenizer() if builtin else load_tokenizer(tokenizer, gguf_file)
+        )
         self.tokenizer.padding_side = padding_side
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"data.tokenizer={tokenizer!r} has no end-of-text token to end each example with")
@@ -166,6 +173,7 @@ class TextDataModule(LightningDataModule):
         self.collate_fn = TextCollator(self.tokenizer.pad_token_id, padding_side)
         self._datasets: dict[Split, TextDataset] = {}
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenise the splits the stage needs."""
         if stage in ("fit", None):
@@ -183,10 +191,12 @@ class TextDataModule(LightningDataModule):
             self._datasets[split] = TextDataset(examples)
         return self._datasets[split]
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches (DPStrategy swaps in Poisson sampling)."""
         return self._loader("train", self.batch_size, shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         """Validation batches, in order."""
         return self._loader("validation", self.eval_batch_size, shuffle=False)
@@ -264,7 +274,11 @@ def encode_rows(
             if overlength == "refuse" or len(prompt_ids) + 1 >= max_length:
                 raise ValueError(
                     f"{rows.source}, row {index + 1}: {len(ids)} tokens, longer than data.max_length={max_length}"
-                    + (" (set data.overlength=truncate to cut it)" if overlength == "refuse" else " (the prompt fills it)")
+                    + (
+                        " (set data.overlength=truncate to cut it)"
+                        if overlength == "refuse"
+                        else " (the prompt fills it)"
+                    )
                 )
             ids, trained = ids[:max_length], trained[:max_length]
         examples.append(TextExample(input_ids=ids, loss_mask=trained))
