@@ -62,7 +62,8 @@ GGUF_DIR = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SST2_DIR = "glue/sst2"
 DEV_ROWS = 872
-LABEL_WORDS = {"0": " terrible", "1": " great"}
+LABEL_WORDS = {"0": " negative", "1": " positive"}
+TEMPLATE = "Review: {sentence}\nSentiment:"  # as configs/smollm2_sst2_*.yaml: an instruct model's natural prompt
 CONFIGS = {"tied": "configs/smollm2_sst2_tied.yaml", "untied": "configs/smollm2_sst2_untied.yaml"}
 ARMS = ("zero_shot", "non_private", "dp_tied", "dp_untied")
 ARM_NAMES = {"zero_shot": "zero-shot", "non_private": "non-private", "dp_tied": "DP tied", "dp_untied": "DP untied"}
@@ -277,7 +278,7 @@ def convert_main(spec_json: str) -> None:
         del source.config.quantization_config
     source.save_pretrained(cache)
     data = {"task": "sst2", "data_dir": spec["data_dir"], "max_length": spec["max_length"],
-            "max_train_examples": spec["train_examples"], "label_words": LABEL_WORDS}
+            "max_train_examples": spec["train_examples"], "label_words": LABEL_WORDS, "template": TEMPLATE}
     gguf_data = GlueDataModule(tokenizer=spec["folder"], gguf_file=spec["gguf_file"], **data)
     gguf_data.tokenizer.save_pretrained(cache)
     for name in ("vocab.json", "merges.txt"):  # keep dplit on AutoTokenizer (tokenizer.json), not GPT2TokenizerFast
@@ -393,6 +394,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
         "--model.lr", repr(args.lr),
         "--data.batch_size", str(args.batch_size), "--data.eval_batch_size", str(args.eval_batch_size),
         "--data.max_length", str(args.max_length), "--data.label_words", json.dumps(LABEL_WORDS),
+        "--data.template", TEMPLATE,
     ]
     if args.train_examples is not None:
         command += ["--data.max_train_examples", str(args.train_examples)]

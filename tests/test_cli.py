@@ -182,7 +182,7 @@ def test_real_smollm2_gguf_takes_a_private_step_on_real_sst2(policy: str, shared
     backbone = cli.model.backbone
     assert type(backbone).__name__ == "LlamaForCausalLM" and len(backbone.model.layers) == 30
     assert is_tied(backbone) == (policy == "tied")
-    assert cli.model.hparams.label_word_ids == [13321, 1109]  # " terrible", " great" in SmolLM2's own tokenizer
+    assert cli.model.hparams.label_word_ids == [3524, 2731]  # " negative", " positive" in SmolLM2's own tokenizer
     if policy == "untied":  # started as a copy, then each got its own (noisy) update
         assert not torch.equal(backbone.lm_head.weight, backbone.model.embed_tokens.weight)
     assert cli.trainer.strategy.accountant.steps == 1 and 0 < cli.trainer.callback_metrics["privacy/epsilon"] <= 8
