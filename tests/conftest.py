@@ -26,12 +26,13 @@ def shared_data_dir() -> Path:
 def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small byte-level BPE tokenizer saved as GPT-2's ``vocab.json`` + ``merges.txt`` (no download).
 
-    Trained so that the default label words of SST-2, QNLI and QQP are single tokens.
+    Trained so that the default label words of SST-2, QNLI and QQP (and the SmolLM2 configs') are single tokens.
     """
     corpus = [
         "Question: Is the movie great or terrible? Sentence: It was a great movie. "
         "Does the sentence answer the question? yes no",
         "Question 1: How do I learn? Question 2: How can I learn? Same question? yes no It was terrible.",
+        "Review: a great movie.\nSentiment: positive negative",
     ] * 20
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(corpus, vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"])
