@@ -29,7 +29,7 @@ from dplit.privacy.engine import (
     clip_factors,
     trainable_parameters,
 )
-from dplit.privacy.norms import NORM_RULES, GradientUse, NormRule, weighted_sum
+from dplit.privacy.norms import NORM_RULES, GradientUse, NormRule, add_weighted_sum_, weighted_sum
 from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, TiedNorm, parameter_squared_norm
 
 
@@ -290,9 +290,17 @@ def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtyp
 
 
 def _add_clipped_sum(param: nn.Parameter, uses: list[GradientUse], factors: Tensor) -> None:
-    """Add Σ_i c_i G_i over all of a parameter's uses to its ``grad``, use by use (zeros when it was not used)."""
+    """Add Σ_i c_i G_i over all of a parameter's uses to its ``grad``, use by use (zeros when it was not used).
+
+    Into an existing ``grad`` of the sums' dtype (DPStrategy's GradientBuffer views, a second use, a later
+    micro-batch) in place (``addmm_`` / ``index_add_``): no parameter-sized temporary and no extra pass over it.
+    """
     for use in uses:
-        add_to_grad(param, weighted_sum(use, factors).reshape(param.shape))  # no parameter-sized total
+        grad = param.grad
+        if grad is not None and grad.dtype == factors.dtype and grad.is_contiguous():
+            add_weighted_sum_(grad, use, factors)
+        else:
+            add_to_grad(param, weighted_sum(use, factors).reshape(param.shape))  # no parameter-sized total
     if not uses and param.grad is None:
         add_to_grad(param, torch.zeros_like(param))
 

@@ -130,15 +130,31 @@ class ParameterUseMonitor(TorchFunctionMode):
         self._stack.pop()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Run ``func`` and note any watched parameter it used outside its owners."""
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        if func in _NO_GRADIENT_PATH or not any(True for _ in _tensors(result)):
+        """Run ``func`` and note any watched parameter it used outside its owners.
+
+        Runs for every torch call of the forward (thousands), so the common case is one flat pass over the
+        arguments with no allocation: only a call that received a watched parameter looks at its result.
+        """
+        result = func(*args, **kwargs) if kwargs else func(*args)
+        owners = self._owners
+        found: list[ParameterOwner] | None = None
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            if isinstance(value, Tensor):
+                owner = owners.get(id(value))
+                if owner is None:
+                    base = value._base
+                    owner = None if base is None else owners.get(id(base))
+                if owner is not None:
+                    found = [owner] if found is None else [*found, owner]
+            elif isinstance(value, (tuple, list, dict)):
+                nested = [owner for tensor in _tensors(value) if (owner := self._owner_of(tensor)) is not None]
+                if nested:
+                    found = nested if found is None else [*found, *nested]
+        if found is None or func in _NO_GRADIENT_PATH or not any(True for _ in _tensors(result)):
             return result
         current = self._stack[-1] if self._stack else None
-        for tensor in _tensors((args, kwargs)):
-            owner = self._owner_of(tensor)
-            if owner is not None and current not in owner.modules:
+        for owner in found:
+            if current not in owner.modules:
                 self._note(owner, func, current)
         return result
 

@@ -3,15 +3,21 @@
 One rule serves every normalisation layer whose parameters are small (d-sized scales and shifts) and whose
 output for an example depends on that example's input only: ``nn.RMSNorm``, and the RMSNorm classes of the
 Llama, Qwen2/Qwen3, Mistral, Phi-3, Granite, SmolLM3 and Gemma families (Gemma's ``x̂ ⊙ (1 + w)`` included).
-The module's own ``forward`` is replayed on each example's captured input with ``torch.func.vjp``, so the
-rule is exact for whatever arithmetic that class does (float32 upcasts, ``1 + w``), with no per-class copy.
-The per-example gradients are [B, *parameter.shape]: as small as the parameters themselves.
+The module's own ``forward`` is replayed on the captured input with a vector-Jacobian product, so the rule is
+exact for whatever arithmetic that class does (float32 upcasts, ``1 + w``), with no per-class copy. The replay
+is batched: the module runs ONCE on the whole input with each parameter expanded to one copy per example
+([B, 1, ..., *shape], broadcasting against [B, T, ..., *shape] exactly as the shared parameter does), and one
+``torch.autograd.grad`` gives every example's gradient. A class whose forward does not broadcast so (e.g.
+``nn.RMSNorm``, whose ``F.rms_norm`` insists on the parameter's own shape), or whose batched result differs
+from the per-example ``vmap`` replay on its first call, uses that ``vmap`` replay instead. The per-example
+gradients are [B, *parameter.shape]: as small as the parameters themselves.
 """
 
 from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
@@ -32,8 +38,62 @@ TRANSFORMERS_NORMS = {
 """transformers family → its RMSNorm class (each a plain elementwise-affine module of one weight)."""
 
 
+_BATCHED_REPLAY: dict[type[nn.Module], bool] = {}
+"""By module class: whether the batched replay matched the per-example ``vmap`` replay on its first call."""
+
+
 def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, GradientUse]:
-    """Each own parameter's per-example gradient [B, *shape], by a per-example vector-Jacobian product."""
+    """Each own parameter's per-example gradient [B, *shape], by a vector-Jacobian product of the module's forward."""
+    kind = type(module)
+    if _BATCHED_REPLAY.get(kind, True):
+        batched = _batched_gradients(module, activation, output_grad)
+        if kind not in _BATCHED_REPLAY:  # first call of this class: check the batched replay against vmap's
+            reference = _vmap_gradients(module, activation, output_grad)
+            _BATCHED_REPLAY[kind] = _same(batched, reference)
+            batched = batched if _BATCHED_REPLAY[kind] else reference
+        if batched is not None:
+            return {name: ExampleGradient(grad) for name, grad in batched.items()}
+    return {name: ExampleGradient(grad) for name, grad in _vmap_gradients(module, activation, output_grad).items()}
+
+
+def _same(batched: dict[str, Tensor] | None, reference: dict[str, Tensor]) -> bool:
+    """Whether the batched replay gave the vmap replay's gradients (up to summation order)."""
+    if batched is None or batched.keys() != reference.keys():
+        return False
+    return all(
+        batched[name].shape == grad.shape and bool((batched[name] - grad).norm() <= 1e-4 * grad.norm() + 1e-12)
+        for name, grad in reference.items()
+    )
+
+
+def _batched_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, Tensor] | None:
+    """Per-example gradients from ONE replay with per-example copies of the parameters; ``None`` if it cannot run."""
+    size = activation.shape[0]
+    expanded: dict[str, Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in module.named_parameters(recurse=False):
+        shapes[name] = tuple(param.shape)
+        middle = activation.dim() - 1 - param.dim()  # the positions between the example and the parameter's dims
+        if middle < 0 or tuple(activation.shape[activation.dim() - param.dim() :]) != tuple(param.shape):
+            return None
+        with torch.enable_grad():  # the engine calls rules under no_grad: the view must be in the graph
+            base = param.detach().to(activation.dtype).requires_grad_()
+            expanded[name] = base.reshape((1,) * (middle + 1) + tuple(param.shape)).expand(
+                (size,) + (1,) * middle + tuple(param.shape)
+            )  # [B, 1, ..., *shape]: one copy per example (a view; its gradient is per example)
+    try:
+        with torch.enable_grad():
+            output = functional_call(module, expanded, (activation,))
+            if not isinstance(output, Tensor) or output.shape != output_grad.shape:
+                return None
+            grads = torch.autograd.grad(output, list(expanded.values()), output_grad.to(output.dtype))
+    except RuntimeError:  # e.g. F.rms_norm / F.layer_norm require the parameter's own shape
+        return None
+    return {name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads)}  # [B, *shape]
+
+
+def _vmap_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, Tensor]:
+    """Per-example gradients by replaying the forward on each example separately (``vmap`` of ``vjp``)."""
     params = {name: p.detach().to(activation.dtype) for name, p in module.named_parameters(recurse=False)}
 
     def example_gradient(inputs: Tensor, grad: Tensor) -> dict[str, Tensor]:
@@ -43,8 +103,7 @@ def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_g
         _, pullback = vjp(output, params)
         return pullback(grad.unsqueeze(0).to(activation.dtype))[0]
 
-    grads = vmap(example_gradient)(activation, output_grad)  # name -> [B, *shape]
-    return {name: ExampleGradient(grad) for name, grad in grads.items()}
+    return vmap(example_gradient)(activation, output_grad)  # name -> [B, *shape]
 
 
 def _norm_types() -> list[type[nn.Module]]:

@@ -158,3 +158,28 @@ def weighted_sum(use: GradientUse, weights: Tensor) -> Tensor:
         return _scatter_rows(right, left.values * weights[:, None, None]).T  # [c, r] -> [r, c]
     rows = _as_dense(right, weights.dtype) * weights[:, None, None]  # [B, T, c]
     return _scatter_rows(left, rows)
+
+
+def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
+    """``out += Σ_i w_i G_i`` in place (``out``: contiguous, the parameter's shape), with no parameter-sized temporary.
+
+    Dense factors go through one ``addmm_`` (the smaller factor scaled by the weights), an index factor through
+    one ``index_add_`` of the weighted rows; what :func:`weighted_sum` would return, added without allocating it.
+    """
+    if isinstance(use, ExampleGradient):  # small parameters (biases, norm scales): the [shape] sum is tiny
+        return out.add_(weighted_sum(use, weights).reshape(out.shape))
+    left, right = use.left, use.right
+    target = out.view(left.width, right.width)  # [r, c]
+    scale = weights[:, None, None]
+    if isinstance(left, DenseFactor) and isinstance(right, DenseFactor):
+        if left.width <= right.width:
+            target.addmm_((left.values * scale).flatten(0, 1).T, right.values.flatten(0, 1))  # [r, BT] x [BT, c]
+        else:
+            target.addmm_(left.values.flatten(0, 1).T, (right.values * scale).flatten(0, 1))
+    elif isinstance(left, IndexFactor) and isinstance(right, DenseFactor):
+        target.index_add_(0, left.indices.reshape(-1), (right.values * scale).reshape(-1, right.width))  # rows x_{i,t}
+    elif isinstance(left, DenseFactor) and isinstance(right, IndexFactor):
+        target.T.index_add_(0, right.indices.reshape(-1), (left.values * scale).reshape(-1, left.width))  # columns
+    else:
+        target.add_(weighted_sum(use, weights))
+    return out

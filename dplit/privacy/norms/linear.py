@@ -10,10 +10,10 @@ from dplit.privacy.norms.registry import as_positions, register_norm_rule
 
 @register_norm_rule(nn.Linear, ("weight", "bias"))
 def linear_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, GradientUse]:
-    """Weight: left g [B, T, out], right a [B, T, in]; bias: Σ_t g_t [B, out]."""
+    """Weight: left g [B, T, out], right a [B, T, in]; bias (when there is one): Σ_t g_t [B, out]."""
     inputs = as_positions(activation, module.in_features)  # [B, T, in]
     grads = as_positions(output_grad, module.out_features)  # [B, T, out]
-    return {
-        "weight": FactoredGradient(DenseFactor(grads), DenseFactor(inputs)),
-        "bias": ExampleGradient(grads.sum(1)),
-    }
+    uses: dict[str, GradientUse] = {"weight": FactoredGradient(DenseFactor(grads), DenseFactor(inputs))}
+    if module.bias is not None:  # Llama-family projections have none: no [B, T, out] reduction to throw away
+        uses["bias"] = ExampleGradient(grads.sum(1))
+    return uses
