@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "shape (Llama, 30 layers, width 576), its targets are stated for --batch-sizes 16 "
                              "--seq-len 64")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None)
+    parser.add_argument("--task", choices=("classify", "lm"), default="classify",
+                        help="lm: the causal-LM step (next-token loss at every position) -> results/lm")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
         "--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="METHOD:POLICY",
@@ -92,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
     only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
-    args.out = args.out or ROOT / "benchmarks" / "results" / ("quick" if args.quick else "smollm2" if only_smollm2 else "")
+    folder = "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
+    args.out = args.out or ROOT / "benchmarks" / "results" / folder
     configs = []
     for config in args.configs:
         method, policy, privatize = (config.split(":") + [""])[:3]
@@ -189,7 +192,7 @@ def run_one(
         out = Path(tmp) / "result.json"
         command = [
             sys.executable, "-m", "benchmarks.step", "--method", method, "--policy", policy, "--model", model,
-            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup),
+            "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--task", args.task,
             "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
             "--device", args.device, "--threads", str(args.threads), "--privatize", privatize,
             "--out", str(out),

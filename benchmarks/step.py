@@ -89,6 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--policy", choices=POLICIES, required=True, help="tied or untied input/output embeddings")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--task", choices=("classify", "lm"), default="classify",
+                        help="classify: label-word head at the last token; lm: next-token loss at every position "
+                             "(CausalLanguageModel, full vocabulary, summed per example)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocations, AdamW state)")
@@ -142,6 +145,14 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
     from dplit.model import CausalLMClassifier
 
     embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
+    if args.task == "lm":
+        from dplit.lm import CausalLanguageModel
+
+        language_model = CausalLanguageModel(
+            config=backbone_config(args.model, args.seq_len), embeddings=embeddings, dropout=0.0,
+            attn_implementation="eager", lr=args.lr, sample_prompts=[],
+        )  # fmt: skip
+        return language_model.to(device).train()
     model = CausalLMClassifier(
         config=backbone_config(args.model, args.seq_len),
         embeddings=embeddings,
@@ -164,6 +175,7 @@ def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
         "input_ids": torch.randint(0, vocab, shape, generator=generator).to(device),
         "attention_mask": torch.ones(shape, dtype=torch.long).to(device),  # all real tokens, no padding
         "labels": torch.randint(0, classes, (args.batch_size,), generator=generator).to(device),
+        "loss_mask": torch.ones(shape, dtype=torch.long).to(device),  # lm: every token is trained
     }
 
 
