@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
@@ -121,7 +122,9 @@ def run_lm_cli(args: ArgsType = None) -> DPLitLMCLI:
 def main(args: ArgsType = None) -> None:
     """Entry point of ``dplit fit|validate|test --config X.yaml`` and ``dplit lm fit|validate --config X.yaml``."""
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] == ["lm"]:
+    if argv[:1] != ["lm"]:
+        run_cli(args)
+        return
+    with warnings.catch_warnings():  # the arguments after "lm" are the command line, passed on as args
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
         run_lm_cli(argv[1:])
-    else:
-        run_cli(argv)
