@@ -11,15 +11,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import dplit.privacy.norms.factors as factors_module
 from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
 from dplit.model import CausalLMClassifier
 from dplit.privacy.engine import Batch
 from dplit.privacy.ghost import GhostEngine
-from dplit.privacy.norms import FactoredGradient
-from dplit.privacy.norms.factors import prefers_materialising
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
-from tests.test_ghost import assert_close, check_against_oracles, padded_batch, run
+from tests.test_ghost import assert_close, check_against_oracles, padded_batch, record_materialise_choices, run
 
 VOCAB = 50
 LABEL_WORDS = [3, 7]
@@ -110,13 +107,7 @@ def test_classifier_matches_brute_force(family: str, policy: EmbeddingPolicy, he
 def test_next_token_loss_across_the_break_even(
     family: str, policy: EmbeddingPolicy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    choices: set[bool] = set()
-
-    def spy(use: FactoredGradient) -> bool:
-        choices.add(prefers_materialising(use))
-        return prefers_materialising(use)
-
-    monkeypatch.setattr(factors_module, "prefers_materialising", spy)
+    choices = record_materialise_choices(monkeypatch)
     for side in ("right", "left"):
         model = NextTokenLM(family, policy, attention=attention_for(side)).double()  # Grams below T ≈ 11-14
         batch = padded_batch([30, 2, 17, 9], side, seed=3)

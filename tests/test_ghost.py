@@ -89,6 +89,18 @@ def padded_batch(lengths: list[int], side: str, seed: int = 0, vocab: int = VOCA
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+def record_materialise_choices(monkeypatch: pytest.MonkeyPatch) -> set[bool]:
+    """The set that collects every Gram-or-materialise decision the ghost engine makes from now on."""
+    choices: set[bool] = set()
+
+    def spy(use: FactoredGradient) -> bool:
+        choices.add(prefers_materialising(use))
+        return prefers_materialising(use)
+
+    monkeypatch.setattr(factors_module, "prefers_materialising", spy)
+    return choices
+
+
 def run(
     engine: ClippingEngine, module: nn.Module, loss_fn: Callable[[Batch], Tensor], batch: Batch
 ) -> tuple[ClipStats, dict[str, Tensor]]:
@@ -135,13 +147,7 @@ def test_classifier_matches_oracles(policy: EmbeddingPolicy, head: str, side: st
 def test_next_token_lm_matches_oracles(
     policy: EmbeddingPolicy, lengths: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    choices: set[bool] = set()
-
-    def spy(use: FactoredGradient) -> bool:
-        choices.add(prefers_materialising(use))
-        return prefers_materialising(use)
-
-    monkeypatch.setattr(factors_module, "prefers_materialising", spy)
+    choices = record_materialise_choices(monkeypatch)
     model = lm(policy)  # n_embd 16: Conv1D/lm_head materialise from T ≈ 12-23 on, Grams below
     for side in ("right", "left"):
         check_against_oracles(model, model.per_example_loss, padded_batch(lengths, side, seed=len(lengths)), clip=1.0)

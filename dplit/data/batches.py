@@ -65,13 +65,24 @@ class PadCollator:
             ``input_ids`` LongTensor[B, T], ``attention_mask`` LongTensor[B, T] (1 = real token) and
             ``labels`` LongTensor[B], T the longest prompt (at least 1).
         """
-        width = max((len(example["input_ids"]) for example in examples), default=1)
-        input_ids = torch.full((len(examples), max(width, 1)), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, example in enumerate(examples):
-            length = len(example["input_ids"])
-            start = 0 if self.padding_side == "right" else input_ids.shape[1] - length
-            input_ids[row, start : start + length] = torch.tensor(example["input_ids"], dtype=torch.long)
-            attention_mask[row, start : start + length] = 1
+        input_ids, attention_mask = pad_token_rows(
+            [e["input_ids"] for e in examples], self.pad_token_id, self.padding_side
+        )
         labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def pad_token_rows(rows: Sequence[Sequence[int]], fill: int, side: str) -> tuple[Tensor, Tensor]:
+    """Rows of integers padded with ``fill`` to the longest (at least 1) on ``side``, and where the real values are.
+
+    Returns:
+        The padded LongTensor[B, T] and the mask LongTensor[B, T] (1 = a real value).
+    """
+    width = max(max((len(row) for row in rows), default=1), 1)
+    padded = torch.full((len(rows), width), fill, dtype=torch.long)
+    mask = torch.zeros_like(padded)
+    for index, row in enumerate(rows):
+        span = slice(0, len(row)) if side == "right" else slice(width - len(row), width)
+        padded[index, span] = torch.tensor(row, dtype=torch.long)
+        mask[index, span] = 1
+    return padded, mask

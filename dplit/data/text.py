@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Literal, TypedDict
 
 import datasets
-import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
+from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.tokenizer import load_tokenizer
 
@@ -60,7 +60,7 @@ class TextDataset(Dataset[TextExample]):
         return self.examples[index]
 
 
-class TextCollator:
+class TextCollator(PadCollator):
     """Pads examples to the longest (right or left); an empty list gives tensors of batch size 0.
 
     Args:
@@ -68,23 +68,13 @@ class TextCollator:
         padding_side: ``"right"`` or ``"left"``.
     """
 
-    def __init__(self, pad_token_id: int, padding_side: Literal["right", "left"] = "right") -> None:
-        if padding_side not in ("right", "left"):
-            raise ValueError(f"data.padding_side must be 'right' or 'left', got {padding_side!r}")
-        self.pad_token_id = pad_token_id
-        self.padding_side = padding_side
-
-    def __call__(self, examples: Sequence[TextExample]) -> dict[str, Tensor]:
+    @override
+    def __call__(self, examples: Sequence[TextExample]) -> dict[str, Tensor]:  # type: ignore[override]
         """``input_ids``, ``attention_mask`` and ``loss_mask``, each LongTensor[B, T]."""
-        width = max((len(example["input_ids"]) for example in examples), default=1)
-        input_ids = torch.full((len(examples), width), self.pad_token_id, dtype=torch.long)
-        attention_mask, loss_mask = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
-        for row, example in enumerate(examples):
-            length = len(example["input_ids"])
-            span = slice(0, length) if self.padding_side == "right" else slice(width - length, width)
-            input_ids[row, span] = torch.tensor(example["input_ids"], dtype=torch.long)
-            attention_mask[row, span] = 1
-            loss_mask[row, span] = torch.tensor(example["loss_mask"], dtype=torch.long)
+        input_ids, attention_mask = pad_token_rows(
+            [e["input_ids"] for e in examples], self.pad_token_id, self.padding_side
+        )
+        loss_mask, _ = pad_token_rows([e["loss_mask"] for e in examples], 0, self.padding_side)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 

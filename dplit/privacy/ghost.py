@@ -159,8 +159,8 @@ class GhostEngine(ClippingEngine):
         losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
             squared = losses.new_zeros(losses.shape[0], dtype=dtype)
-            for parameter_uses in uses.values():
-                squared = squared + parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)  # [B]
+            for parameter_squared in self._squared_norms(uses).values():
+                squared = squared + parameter_squared  # [B]
             norms = squared.sqrt()
             factors = clip_factors(norms, self.max_grad_norm)
             for key, (_, param) in coverage.parameters.items():
@@ -173,14 +173,18 @@ class GhostEngine(ClippingEngine):
         Leaves ``param.grad`` untouched; used to check the engine against autograd on the user's model.
         """
         coverage = self.coverage()
-        losses, uses = self._gradient_uses(
-            loss_fn, batch, coverage, _norm_dtype(p for _, p in coverage.parameters.values())
-        )
+        dtype = _norm_dtype(p for _, p in coverage.parameters.values())
+        losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            return {
-                name: parameter_squared_norm(uses[key], tied_norm=self._tied_norm).sqrt() if key in uses else None
-                for key, (name, _) in coverage.parameters.items()
-            }
+            squared = self._squared_norms(uses)
+        return {name: squared[key].sqrt() if key in squared else None for key, (name, _) in coverage.parameters.items()}
+
+    def _squared_norms(self, uses: dict[int, list[GradientUse]]) -> dict[int, Tensor]:
+        """Each used parameter's per-example ‖G‖² [B] over all its uses, by parameter ``id``."""
+        return {
+            key: parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)
+            for key, parameter_uses in uses.items()
+        }
 
     def _gradient_uses(
         self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype

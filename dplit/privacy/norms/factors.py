@@ -138,33 +138,19 @@ def concatenate(uses: list[FactoredGradient]) -> FactoredGradient:
     return FactoredGradient(join([u.left for u in uses]), join([u.right for u in uses]))
 
 
-def _scatter_rows(factor: IndexFactor, rows: Tensor) -> Tensor:
-    """Σ_{i,t} onehot(x_{i,t}) rows_{i,t}ᵀ [n, m] from ``rows`` [B, T, m]."""
-    total = rows.new_zeros(factor.width, rows.shape[-1])
-    return total.index_add_(0, factor.indices.reshape(-1), rows.reshape(-1, rows.shape[-1]))  # [B*T, m] -> [n, m]
-
-
 def weighted_sum(use: GradientUse, weights: Tensor) -> Tensor:
-    """Σ_i w_i G_i in the parameter's shape, without building any per-example gradient."""
+    """Σ_i w_i G_i in the parameter's shape ([r, c] for a factored use), without building any per-example gradient."""
     if isinstance(use, ExampleGradient):
         return torch.einsum("b,b...->...", weights, use.values)  # [B], [B, *shape] -> shape
-    left, right = use.left, use.right
-    if isinstance(left, DenseFactor) and isinstance(right, DenseFactor):
-        scaled = left.values * weights[:, None, None]  # [B, T, r]
-        return scaled.flatten(0, 1).T @ right.values.flatten(0, 1)  # [r, B*T] x [B*T, c] -> [r, c]
-    if isinstance(left, IndexFactor) and isinstance(right, DenseFactor):
-        return _scatter_rows(left, right.values * weights[:, None, None])  # [r, c]
-    if isinstance(left, DenseFactor) and isinstance(right, IndexFactor):
-        return _scatter_rows(right, left.values * weights[:, None, None]).T  # [c, r] -> [r, c]
-    rows = _as_dense(right, weights.dtype) * weights[:, None, None]  # [B, T, c]
-    return _scatter_rows(left, rows)
+    total = weights.new_zeros(use.left.width, use.right.width)  # [r, c]
+    return add_weighted_sum_(total, use, weights)
 
 
 def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
     """``out += Σ_i w_i G_i`` in place (``out``: contiguous, the parameter's shape), with no parameter-sized temporary.
 
     Dense factors go through one ``addmm_`` (the smaller factor scaled by the weights), an index factor through
-    one ``index_add_`` of the weighted rows; what :func:`weighted_sum` would return, added without allocating it.
+    one ``index_add_`` of the weighted rows.
     """
     if isinstance(use, ExampleGradient):  # small parameters (biases, norm scales): the [shape] sum is tiny
         return out.add_(weighted_sum(use, weights).reshape(out.shape))
@@ -176,10 +162,9 @@ def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
             target.addmm_((left.values * scale).flatten(0, 1).T, right.values.flatten(0, 1))  # [r, BT] x [BT, c]
         else:
             target.addmm_(left.values.flatten(0, 1).T, (right.values * scale).flatten(0, 1))
-    elif isinstance(left, IndexFactor) and isinstance(right, DenseFactor):
-        target.index_add_(0, left.indices.reshape(-1), (right.values * scale).reshape(-1, right.width))  # rows x_{i,t}
-    elif isinstance(left, DenseFactor) and isinstance(right, IndexFactor):
-        target.T.index_add_(0, right.indices.reshape(-1), (left.values * scale).reshape(-1, left.width))  # columns
-    else:
-        target.add_(weighted_sum(use, weights))
+    elif isinstance(left, IndexFactor):  # rows x_{i,t} of the weighted right factor
+        rows = _as_dense(right, weights.dtype) * scale  # [B, T, c]
+        target.index_add_(0, left.indices.reshape(-1), rows.reshape(-1, right.width))
+    else:  # columns x_{i,t} of the weighted left factor
+        target.T.index_add_(0, right.indices.reshape(-1), (left.values * scale).reshape(-1, left.width))
     return out
