@@ -109,6 +109,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def cpu_model_and_memory() -> tuple[str, int]:
+    """This machine's CPU model name (``"unknown"`` when not listed) and total memory in KiB, from /proc."""
+    cpu_model = "unknown"
+    with open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as meminfo:
+        total_kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    return cpu_model, total_kib
+
+
 def machine_info(threads: int, device: str) -> dict[str, Any]:
     """CPU model, cores, memory, library versions, GPU (asked of a throwaway child so this process stays small)."""
     probe = (
@@ -124,14 +137,7 @@ def machine_info(threads: int, device: str) -> dict[str, Any]:
     )
     versions = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                                          check=True).stdout.strip().splitlines()[-1])
-    cpu_model = "unknown"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as meminfo:
-        total_kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    cpu_model, total_kib = cpu_model_and_memory()
     return {
         "cpu_model": cpu_model,
         "logical_cpus": len(os.sched_getaffinity(0)),

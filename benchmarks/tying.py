@@ -56,6 +56,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.run import cpu_model_and_memory  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_DIR = "smollm2-135m-instruct"
@@ -627,14 +629,7 @@ def _relative(path: Path) -> str:
 
 
 def machine_info() -> dict[str, Any]:
-    cpu_model = "unknown"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as meminfo:
-        total_kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
+    cpu_model, total_kib = cpu_model_and_memory()
     versions = {}
     for package in ("torch", "transformers", "lightning", "opacus", "gguf"):
         try:
