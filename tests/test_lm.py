@@ -6,8 +6,10 @@ import json
 import math
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dplit.cli import run_lm_cli
 from dplit.data.text import TextCollator, TextDataModule, TextExample
@@ -175,3 +177,25 @@ def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(tmp_path: Path, t
         "--data.batch_size", "4", "--data.eval_batch_size", "4",
     ])  # fmt: skip
     assert cli.trainer.strategy.accountant.steps == 1 and is_tied(cli.model.backbone)
+
+
+def test_hub_dataset_by_name_goes_through_load_dataset(monkeypatch: pytest.MonkeyPatch, tiny_bpe_dir: Path) -> None:
+    asked: list[tuple[str, str]] = []
+
+    def fake_load_dataset(name: str, split: str) -> datasets.Dataset:
+        asked.append((name, split))
+        return datasets.Dataset.from_dict({"text": ["It was great.", "It was terrible."][: 1 if ":" in split else 2]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    data = TextDataModule(dataset="someone/notes", tokenizer=str(tiny_bpe_dir), max_train_examples=1)
+    assert len(data.dataset("train")) == 1 and len(data.dataset("validation")) == 2
+    assert asked == [("someone/notes", "train[:1]"), ("someone/notes", "validation")]
+
+
+def test_greedy_samples_reach_tensorboard_as_text(tmp_path: Path) -> None:
+    args = lm_args(tmp_path, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "1")
+    run_lm_cli(["fit", *args])
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    texts = [event.tensor_proto.string_val[0].decode() for event in events.Tensors("samples/greedy/text_summary")]
+    assert texts and all("**the movie is very** →" in text for text in texts)
