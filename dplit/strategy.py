@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -26,7 +23,10 @@ from dplit.privacy import GhostEngine, build_engine
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
-from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
+from dplit.privacy.ledger import write_ledger
+from dplit.privacy.noise import NoiseSource
+from dplit.privacy.sampling import poisson_loader
+from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.self_check import check_ghost_norms
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,10 @@ class DPStrategy(DDPStrategy):
         self_check: before the first DP step, compare the ghost engine's per-parameter norms of a few real
             examples with autograd's (one backward per example) and refuse, naming the parameter, on any
             disagreement (catches architectures whose layers break the norm rules' assumptions).
-        seed: seed of the sampling and noise generators; default ``torch.initial_seed()``
-            (so ``seed_everything`` makes runs reproducible). Each rank samples its own stream; only
-            rank 0 draws noise; a resumed run continues with fresh streams (the steps taken are mixed in).
+        seed: leave unset (default) for sampling and noise seeded from the operating system's entropy,
+            independent of ``seed_everything``, never stored, and fresh after a resume. An explicit seed makes
+            both streams reproducible and PREDICTABLE from the config (warns; the ledger records it): only for
+            tests and debugging, never for a run that is released. Only rank 0 draws noise.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
     """
 
@@ -100,14 +101,14 @@ class DPStrategy(DDPStrategy):
         self._tied_norm = tied_norm
         self._max_physical_batch_size = max_physical_batch_size
         self._self_check_pending = self_check
-        self._seed = seed
+        self._noise_source = NoiseSource(seed=seed)
         self._engine: ClippingEngine | None = None
         self._accountant: PrivacyAccountant | None = None
         self._restored_ledger: dict[str, Any] | None = None
         self._sample_rate: float | None = None
         self._dataset_size: int | None = None
         self._buffer: GradientBuffer | None = None
-        self._noise_generator: torch.Generator | None = None
+        self._state_guard: StateWriteGuard | None = None
         self._ledger_dir: str | None = None
 
     @property
@@ -153,6 +154,8 @@ class DPStrategy(DDPStrategy):
         options = {"tied_norm": self._tied_norm} if self._clipping == "ghost" else {}
         self._engine = build_engine(self._clipping, module, max_grad_norm=self._max_grad_norm, **options)
         self._engine.check_parameters()
+        refuse_state_writing_modules(module)
+        self._state_guard = StateWriteGuard(module)
 
     @override
     def configure_ddp(self) -> None:
@@ -177,21 +180,9 @@ class DPStrategy(DDPStrategy):
         if batch_size is None or not 0 < batch_size <= size:
             raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
         self._dataset_size, self._sample_rate = size, batch_size / size
-        sampler = PoissonBatchSampler(
-            dataset_size=size,
-            sample_rate=self._sample_rate,
-            steps=max(1, round(size / batch_size)),
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            seed=self._stream_seed("sampling"),
-        )
-        return DataLoader(
-            dataloader.dataset,
-            batch_sampler=sampler,
-            collate_fn=dataloader.collate_fn,
-            num_workers=dataloader.num_workers,
-            pin_memory=dataloader.pin_memory,
-            persistent_workers=dataloader.persistent_workers,
+        seed = self._noise_source.seed("sampling", steps=self._steps_taken())  # the sampler mixes in the rank
+        return poisson_loader(
+            dataloader, sample_rate=self._sample_rate, num_replicas=self.world_size, rank=self.global_rank, seed=seed
         )
 
     @override
@@ -205,8 +196,6 @@ class DPStrategy(DDPStrategy):
         if self._restored_ledger is not None:
             self._accountant.load_state_dict(self._restored_ledger["accountant"])
         self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
-        if self.is_global_zero:  # the only rank that draws noise
-            self._noise_generator = torch.Generator(device=self.root_device).manual_seed(self._stream_seed("noise"))
         self._ledger_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
         if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
             restored = self._restored_ledger["noise_multiplier"] if self._restored_ledger else None
@@ -214,18 +203,15 @@ class DPStrategy(DDPStrategy):
         rank_zero_info(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self._max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
-            f"steps so far {self._accountant.steps}"
+            f"steps so far {self._accountant.steps}, noise {self._noise_source.describe()}"
         )
 
-    def _stream_seed(self, stream: str) -> int:
-        """Seed of one random stream, fresh after a resume: (seed, stream, DP steps already in the ledger)."""
-        seed = self._seed if self._seed is not None else torch.initial_seed()
+    def _steps_taken(self) -> int:
+        """DP steps already in the ledger (the restored one before training starts)."""
         if self._accountant is not None:
-            steps = self._accountant.steps
-        else:
-            history = self._restored_ledger["accountant"]["history"] if self._restored_ledger else []
-            steps = sum(int(count) for _, _, count in history)
-        return derive_seed(seed, stream, steps)
+            return self._accountant.steps
+        history = self._restored_ledger["accountant"]["history"] if self._restored_ledger else []
+        return sum(int(count) for _, _, count in history)
 
     def _calibrate(self, delta: float) -> float:
         planned = self.lightning_module.trainer.estimated_stepping_batches
@@ -245,16 +231,18 @@ class DPStrategy(DDPStrategy):
         """Clip every example of the logical batch, micro-batch by micro-batch, into the gradient buffer."""
         batch: Batch = args[0]
         module = self.lightning_module
-        assert self._engine is not None and self._buffer is not None
+        assert self._engine is not None and self._buffer is not None and self._state_guard is not None
         self._buffer.attach()
         losses, norms = [], []
-        self._check_engine(module, batch)
+        self._state_guard.arm()
         with self.precision_plugin.train_step_context():
+            self._check_engine(module, batch)
             for micro_batch in _split(batch, self._max_physical_batch_size):
                 stats = self._engine.accumulate(module.per_example_loss, micro_batch)
                 losses.append(stats.losses)
                 norms.append(stats.norms)
         self._buffer.detach()
+        self._state_guard.check()  # before any noise or step: nothing written from private data is released
         return self._log_batch(module, losses, norms)
 
     def _check_engine(self, module: LightningModule, batch: Batch) -> None:
@@ -273,7 +261,9 @@ class DPStrategy(DDPStrategy):
         size = loss.shape[0]
         module.log("train/loss", loss.mean(), batch_size=size, prog_bar=True)
         module.log("dp/clip_fraction", (norm > self._max_grad_norm).float().mean(), batch_size=size)
-        module.log("dp/grad_norm", norm.mean(), batch_size=size)
+        finite = torch.isfinite(norm)
+        module.log("dp/grad_norm", norm[finite].mean() if bool(finite.any()) else norm.new_zeros(()), batch_size=size)
+        module.log("dp/dropped_examples", (~finite).sum().float(), batch_size=1, reduce_fx="sum")
         return loss.mean()
 
     @override
@@ -316,11 +306,16 @@ class DPStrategy(DDPStrategy):
         """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
         assert self._buffer is not None and self._noise_multiplier is not None
         self._buffer.extra.fill_(float(stop))
-        if self.is_global_zero and self._noise_multiplier > 0 and not stop:
-            assert self._noise_generator is not None
-            self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, self._noise_generator)
+        if self.is_global_zero and self._noise_multiplier > 0 and not stop:  # a fresh generator every step
+            generator = self._noise_source.generator("noise", steps=self._steps_taken(), device=self.root_device)
+            self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, generator)
         if self.world_size > 1:
             dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
+        if not bool(torch.isfinite(self._buffer.flat).all()):
+            raise FloatingPointError(
+                f"DP-SGD step {self._steps_taken() + 1}: the noisy gradient sum is not finite (NaN or inf; check "
+                "trainer.precision and the learning rate); stopped before the optimizer step, nothing of it was released"
+            )
 
     def _refuse_step(self, epsilon: float) -> None:
         self.lightning_module.trainer.should_stop = True
@@ -334,18 +329,8 @@ class DPStrategy(DDPStrategy):
         module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         module.log("privacy/noise_multiplier", float(self._noise_multiplier), on_step=True, batch_size=1)
         module.log("privacy/steps", float(self._accountant.steps), on_step=True, batch_size=1)
-        if self.is_global_zero:
-            self._write_ledger(epsilon)
-
-    def _write_ledger(self, epsilon: float) -> None:
-        """Keep ``privacy_ledger.json`` in the log folder current (atomic replace), for audit and crashes."""
-        if self._ledger_dir is None:
-            return
-        path = Path(self._ledger_dir) / "privacy_ledger.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(".json.tmp")
-        temporary.write_text(json.dumps({**self._ledger_state(), "epsilon": epsilon}, indent=1))
-        os.replace(temporary, path)
+        if self.is_global_zero and self._ledger_dir is not None:
+            write_ledger(self._ledger_dir, self._ledger_state(), epsilon=epsilon)
 
     def _ledger_state(self) -> dict[str, Any]:
         assert self._accountant is not None
@@ -356,6 +341,8 @@ class DPStrategy(DDPStrategy):
             "sample_rate": self._sample_rate,
             "dataset_size": self._dataset_size,
             "target_epsilon": self._target_epsilon,
+            "noise": self._noise_source.describe(),
+            "noise_secure": self._noise_source.secure,
         }
 
     @override

@@ -410,14 +410,14 @@ def test_hooks_removed_requires_grad_restored_and_eval_unaffected() -> None:
     assert torch.equal(before, after)
 
 
-def test_bf16_autocast_gives_float32_norms_close_to_float32() -> None:
+def test_bf16_autocast_gives_float64_norms_close_to_float32() -> None:
     model = classifier(TiedEmbeddings()).float()
     batch = padded_batch([6, 9, 2], "left")
     engine = GhostEngine(model, max_grad_norm=1.0)
     reference, reference_grads = run(engine, model, model.per_example_loss, batch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         stats, grads = run(engine, model, model.per_example_loss, batch)
-    assert stats.norms.dtype == torch.float32
+    assert stats.norms.dtype == torch.float64  # norms are always float64 (rigorous rounding slack)
     assert torch.allclose(stats.norms, reference.norms, rtol=5e-2)
     for name, grad in grads.items():
         assert grad.dtype == torch.float32

@@ -30,6 +30,7 @@ from dplit.privacy.engine import (
     trainable_parameters,
 )
 from dplit.privacy.norms import NORM_RULES, GradientUse, NormRule, add_weighted_sum_, weighted_sum
+from dplit.privacy.norms.factors import without_examples
 from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, TiedNorm, parameter_squared_norm
 
 
@@ -158,13 +159,18 @@ class GhostEngine(ClippingEngine):
             return ClipStats(losses=empty, norms=empty)
         losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            squared = losses.new_zeros(losses.shape[0], dtype=dtype)
+            squared = losses.new_zeros(losses.shape[0], dtype=torch.float64)
             for parameter_squared in self._squared_norms(uses).values():
-                squared = squared + parameter_squared  # [B]
+                squared = squared + parameter_squared  # [B], float64, never below the true squared norm
             norms = squared.sqrt()
-            factors = clip_factors(norms, self.max_grad_norm)
+            keep = torch.isfinite(norms)  # a non-finite norm: the example contributes nothing (dp/dropped_examples)
+            factors = torch.where(keep, clip_factors(norms, self.max_grad_norm), 0.0).to(dtype)
+            dropped = not bool(keep.all())
             for key, (_, param) in coverage.parameters.items():
-                _add_clipped_sum(param, uses.get(key, []), factors)
+                parameter_uses = uses.get(key, [])
+                if dropped:
+                    parameter_uses = [without_examples(use, keep) for use in parameter_uses]
+                _add_clipped_sum(param, parameter_uses, factors)
         return ClipStats(losses=losses.detach(), norms=norms)
 
     def parameter_norms(self, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor | None]:

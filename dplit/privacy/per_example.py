@@ -12,7 +12,6 @@ from dplit.privacy.engine import (
     ClipStats,
     PerExampleLoss,
     add_to_grad,
-    at_least_float32,
     clip_factors,
     trainable_parameters,
 )
@@ -58,10 +57,12 @@ class PerExampleEngine(ClippingEngine):
                 "the per_example engine traces the model with torch.func.vmap, which failed on a data-dependent "
                 "branch (e.g. transformers' sdpa attention mask): use attn_implementation='eager' or clipping='ghost'"
             ) from error
-        squared = [at_least_float32(g).flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B]
+        squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
         norms = torch.stack(squared).sum(0).sqrt()
-        factors = clip_factors(norms, self._max_grad_norm)
+        keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing
+        factors = torch.where(keep, clip_factors(norms, self._max_grad_norm), 0.0)
         for name, param in trainable_parameters(self._module).items():
             g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
+            g = torch.where(keep.reshape((-1,) + (1,) * (g.dim() - 1)), g, 0.0)
             add_to_grad(param, torch.einsum("b,b...->...", factors.to(g.dtype), g))
         return ClipStats(losses=losses.detach(), norms=norms.detach())

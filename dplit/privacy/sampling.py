@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -61,3 +61,27 @@ class PoissonBatchSampler(Sampler[list[int]]):
         for _ in range(self._steps):
             chosen = torch.rand(len(self._shard), generator=self._generator) < self._sample_rate
             yield self._shard[chosen].tolist()
+
+
+def poisson_loader(
+    dataloader: DataLoader, *, sample_rate: float, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    """``dataloader`` with its sampler replaced by Poisson sampling at rate ``sample_rate`` (same collate, workers)."""
+    size = len(dataloader.dataset)  # type: ignore[arg-type]
+    batch_size = dataloader.batch_size or 1
+    sampler = PoissonBatchSampler(
+        dataset_size=size,
+        sample_rate=sample_rate,
+        steps=max(1, round(size / batch_size)),
+        num_replicas=num_replicas,
+        rank=rank,
+        seed=seed,
+    )
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=sampler,
+        collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        persistent_workers=dataloader.persistent_workers,
+    )

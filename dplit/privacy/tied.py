@@ -21,13 +21,21 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dplit.privacy.norms.factors import (
+    DenseFactor,
     ExampleGradient,
     FactoredGradient,
     GradientUse,
+    arithmetic_terms,
+    batch_size,
     concatenate,
+    example_slice,
     inner_product,
     squared_norm,
+    sum_dtype,
+    summed_positions,
+    triangle_bound,
 )
+from dplit.privacy.rounding import rigorous_norm, unit_roundoff
 
 TiedNorm = Literal["exact", "bound"]
 
@@ -56,24 +64,59 @@ def _joined(uses: Sequence[GradientUse]) -> list[GradientUse]:
     return [_join(group) for group in groups.values()]
 
 
+CHUNK_ELEMENTS = 2**25
+"""Largest float64 copy (elements) of one use's factors made at a time while computing norms (256 MB)."""
+
+
 def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm = "exact") -> Tensor:
-    """Per-example ‖Σ_k G_k‖² [B] of one parameter over all its uses in a forward.
+    """Per-example squared norm [B] (float64) of one parameter over all its uses, never below the true one.
+
+    Computed in float64, a chunk of examples at a time, with the rigorous rounding slack of
+    :mod:`dplit.privacy.rounding`, so the bound holds in floating point (crafted cancelling examples included).
 
     Args:
         uses: the parameter's uses (at least one), all for the same batch.
         tied_norm: ``"exact"`` includes every cross term ⟨G_k, G_l⟩; ``"bound"`` returns (Σ_k ‖G_k‖)², the
             triangle-inequality bound, which can only over-clip.
     """
+    if tied_norm == "bound" and len(uses) > 1:
+        return torch.stack([parameter_squared_norm([use]).sqrt() for use in uses]).sum(0).square()
+    size = batch_size(uses[0])
+    width = max(_elements_per_example(use) for use in uses)
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    squared, bound = [], []
+    for start in range(0, size, step):
+        chunk = [example_slice(use, start, start + step) for use in uses]  # float64
+        squared.append(_exact_squared_norm(chunk))
+        bound.append(torch.stack([triangle_bound(use) for use in chunk]).sum(0))
+    norm = rigorous_norm(
+        torch.cat(squared),
+        torch.cat(bound),
+        terms=max(arithmetic_terms(use) for use in uses),
+        positions=sum(summed_positions(use) for use in uses),
+        sum_dtype=max((sum_dtype(use) for use in uses), key=unit_roundoff),
+    )
+    return norm.square()
+
+
+def _elements_per_example(use: GradientUse) -> int:
+    """Elements of one example's factors (or materialised gradient)."""
+    if isinstance(use, ExampleGradient):
+        return use.values[0].numel()
+    sizes = [f.values[0].numel() if isinstance(f, DenseFactor) else f.indices[0].numel() for f in (use.left, use.right)]
+    return sum(sizes)
+
+
+def _exact_squared_norm(uses: Sequence[GradientUse]) -> Tensor:
+    """‖Σ_k G_k‖² [B] as computed from the uses (all of one chunk): per-use norms plus every cross term."""
     if len(uses) == 1:
         return squared_norm(uses[0])
-    if tied_norm == "bound":
-        return torch.stack([squared_norm(use).sqrt() for use in uses]).sum(0).square()
     joined = _joined(uses)
     total = sum(squared_norm(use) for use in joined)
     for k, first in enumerate(joined):
         for second in joined[k + 1 :]:
             total = total + 2 * inner_product(first, second)
-    return total.clamp(min=0)
+    return total
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,12 @@ TRANSFORMERS_NORMS = {
 
 
 _BATCHED_REPLAY: dict[type[nn.Module], bool] = {}
-"""By module class: whether the batched replay matched the per-example ``vmap`` replay on its first call."""
+"""By module class: whether the batched replay matched the per-example ``vmap`` replay on a call that could tell.
+
+A class is only marked safe by a call with at least two examples whose inputs differ (with one example, or
+identical ones, a replay that mixes examples agrees with ``vmap`` by accident); until then every call is checked.
+A class marked unsafe always uses the ``vmap`` replay.
+"""
 
 
 def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, GradientUse]:
@@ -47,13 +52,21 @@ def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_g
     kind = type(module)
     if _BATCHED_REPLAY.get(kind, True):
         batched = _batched_gradients(module, activation, output_grad)
-        if kind not in _BATCHED_REPLAY:  # first call of this class: check the batched replay against vmap's
+        if kind not in _BATCHED_REPLAY:  # not yet known safe: check the batched replay against vmap's
             reference = _vmap_gradients(module, activation, output_grad)
-            _BATCHED_REPLAY[kind] = _same(batched, reference)
-            batched = batched if _BATCHED_REPLAY[kind] else reference
+            if not _same(batched, reference):
+                _BATCHED_REPLAY[kind] = False
+                batched = reference
+            elif _can_tell(activation):
+                _BATCHED_REPLAY[kind] = True
         if batched is not None:
             return {name: ExampleGradient(grad) for name, grad in batched.items()}
     return {name: ExampleGradient(grad) for name, grad in _vmap_gradients(module, activation, output_grad).items()}
+
+
+def _can_tell(activation: Tensor) -> bool:
+    """Whether a call on ``activation`` can reveal a replay that mixes examples: ≥ 2 examples, not all identical."""
+    return activation.shape[0] >= 2 and not bool((activation == activation[:1]).all())
 
 
 def _same(batched: dict[str, Tensor] | None, reference: dict[str, Tensor]) -> bool:

@@ -168,3 +168,69 @@ def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
     else:  # columns x_{i,t} of the weighted left factor
         target.T.index_add_(0, right.indices.reshape(-1), (left.values * scale).reshape(-1, left.width))
     return out
+
+
+def batch_size(use: GradientUse) -> int:
+    """The number of examples B of a use."""
+    if isinstance(use, ExampleGradient):
+        return use.values.shape[0]
+    factor = use.left
+    return factor.values.shape[0] if isinstance(factor, DenseFactor) else factor.indices.shape[0]
+
+
+def example_slice(use: GradientUse, start: int, stop: int) -> GradientUse:
+    """The use restricted to examples ``start:stop``, with dense values in float64 (for exact norm arithmetic)."""
+
+    def part(factor: Factor) -> Factor:
+        if isinstance(factor, DenseFactor):
+            return DenseFactor(factor.values[start:stop].double())  # [b, T, n]
+        return IndexFactor(factor.indices[start:stop], factor.width)  # [b, T]
+
+    if isinstance(use, ExampleGradient):
+        return ExampleGradient(use.values[start:stop].double())
+    return FactoredGradient(part(use.left), part(use.right))
+
+
+def without_examples(use: GradientUse, keep: Tensor) -> GradientUse:
+    """The use with every example where ``keep`` [B] is False set to zero (NaN and inf included)."""
+
+    def zeroed(values: Tensor) -> Tensor:
+        mask = keep.reshape((-1,) + (1,) * (values.dim() - 1))  # [B, 1, ...]
+        return torch.where(mask, values, 0.0)
+
+    if isinstance(use, ExampleGradient):
+        return ExampleGradient(zeroed(use.values))
+    left, right = (DenseFactor(zeroed(f.values)) if isinstance(f, DenseFactor) else f for f in (use.left, use.right))
+    return FactoredGradient(left, right)
+
+
+def triangle_bound(use: GradientUse) -> Tensor:
+    """Per-example Σ_t ‖u_t‖‖v_t‖ [B] in float64: ≥ ‖G‖ in exact arithmetic, with no cancellation."""
+    if isinstance(use, ExampleGradient):
+        return use.values.double().flatten(1).norm(dim=1)  # [B, *shape] -> [B]
+
+    def lengths(factor: Factor) -> Tensor:
+        if isinstance(factor, DenseFactor):
+            return factor.values.double().norm(dim=-1)  # [B, T, n] -> [B, T]
+        return torch.ones(factor.indices.shape, dtype=torch.float64, device=factor.indices.device)  # one-hot rows
+
+    return (lengths(use.left) * lengths(use.right)).sum(1)  # [B, T] -> [B]
+
+
+def arithmetic_terms(use: GradientUse) -> int:
+    """The longest dot product or sum in this use's norm arithmetic (factor widths, T², parameter size)."""
+    if isinstance(use, ExampleGradient):
+        return use.values[0].numel()
+    return max(use.left.width, use.right.width, use.positions**2, use.left.width * use.right.width)
+
+
+def summed_positions(use: GradientUse) -> int:
+    """How many per-position terms the clipped sum of this use adds per example (1 for a materialised use)."""
+    return 1 if isinstance(use, ExampleGradient) else use.positions
+
+
+def sum_dtype(use: GradientUse) -> torch.dtype:
+    """The dtype the use's clipped sum is formed in."""
+    if isinstance(use, ExampleGradient):
+        return use.values.dtype
+    return _dtype_of(use.left, use.right)
