@@ -23,11 +23,11 @@ from dplit.privacy import GhostEngine, build_engine
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
-from dplit.privacy.ledger import write_ledger
+from dplit.privacy.ledger import RunLedger
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
-from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.self_check import check_ghost_norms
+from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +103,11 @@ class DPStrategy(DDPStrategy):
         self._self_check_pending = self_check
         self._noise_source = NoiseSource(seed=seed)
         self._engine: ClippingEngine | None = None
-        self._accountant: PrivacyAccountant | None = None
-        self._restored_ledger: dict[str, Any] | None = None
+        self._ledger = RunLedger()
         self._sample_rate: float | None = None
         self._dataset_size: int | None = None
         self._buffer: GradientBuffer | None = None
         self._state_guard: StateWriteGuard | None = None
-        self._ledger_dir: str | None = None
 
     @property
     def max_grad_norm(self) -> float:
@@ -124,7 +122,7 @@ class DPStrategy(DDPStrategy):
     @property
     def accountant(self) -> PrivacyAccountant | None:
         """The run's privacy ledger (``None`` before training starts)."""
-        return self._accountant
+        return self._ledger.accountant
 
     @property
     def sample_rate(self) -> float | None:
@@ -180,7 +178,7 @@ class DPStrategy(DDPStrategy):
         if batch_size is None or not 0 < batch_size <= size:
             raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
         self._dataset_size, self._sample_rate = size, batch_size / size
-        seed = self._noise_source.seed("sampling", steps=self._steps_taken())  # the sampler mixes in the rank
+        seed = self._noise_source.seed("sampling", steps=self._ledger.steps)  # the sampler mixes in the rank
         return poisson_loader(
             dataloader, sample_rate=self._sample_rate, num_replicas=self.world_size, rank=self.global_rank, seed=seed
         )
@@ -192,26 +190,17 @@ class DPStrategy(DDPStrategy):
         if self._sample_rate is None or self._dataset_size is None:
             raise RuntimeError("DPStrategy did not see the training dataloader")
         delta = self._target_delta or default_delta(self._dataset_size)
-        self._accountant = PrivacyAccountant(delta=delta, mechanism=self._mechanism)
-        if self._restored_ledger is not None:
-            self._accountant.load_state_dict(self._restored_ledger["accountant"])
+        log_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
+        self._ledger.open(delta=delta, mechanism=self._mechanism, directory=log_dir if self.is_global_zero else None)
         self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
-        self._ledger_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
         if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
-            restored = self._restored_ledger["noise_multiplier"] if self._restored_ledger else None
+            restored = self._ledger.restored_noise_multiplier
             self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
         rank_zero_info(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self._max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
-            f"steps so far {self._accountant.steps}, noise {self._noise_source.describe()}"
+            f"steps so far {self._ledger.steps}, noise {self._noise_source.describe()}"
         )
-
-    def _steps_taken(self) -> int:
-        """DP steps already in the ledger (the restored one before training starts)."""
-        if self._accountant is not None:
-            return self._accountant.steps
-        history = self._restored_ledger["accountant"]["history"] if self._restored_ledger else []
-        return sum(int(count) for _, _, count in history)
 
     def _calibrate(self, delta: float) -> float:
         planned = self.lightning_module.trainer.estimated_stepping_batches
@@ -290,16 +279,17 @@ class DPStrategy(DDPStrategy):
 
     def _privatize(self) -> None:
         """All-reduce the clipped sums once, with N(0, σ²C²) added once (rank 0), and divide by q·N."""
-        assert self._accountant is not None and self._noise_multiplier is not None and self._buffer is not None
+        accountant = self._ledger.accountant
+        assert accountant is not None and self._noise_multiplier is not None and self._buffer is not None
         sigma, rate = self._noise_multiplier, self._sample_rate
-        epsilon = self._accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
+        epsilon = accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
         exceeds = self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
         self._global_noisy_sum(stop=self.is_global_zero and exceeds)
         if self._buffer.extra[0] > 0:  # rank 0's decision, so every rank refuses the same steps
             self._refuse_step(epsilon)
             return
         self._buffer.publish(self.expected_batch_size)
-        self._accountant.step(noise_multiplier=sigma, sample_rate=rate)
+        accountant.step(noise_multiplier=sigma, sample_rate=rate)
         self._log_privacy(epsilon)
 
     def _global_noisy_sum(self, stop: bool) -> None:
@@ -307,20 +297,20 @@ class DPStrategy(DDPStrategy):
         assert self._buffer is not None and self._noise_multiplier is not None
         self._buffer.extra.fill_(float(stop))
         if self.is_global_zero and self._noise_multiplier > 0 and not stop:  # a fresh generator every step
-            generator = self._noise_source.generator("noise", steps=self._steps_taken(), device=self.root_device)
+            generator = self._noise_source.generator("noise", steps=self._ledger.steps, device=self.root_device)
             self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, generator)
         if self.world_size > 1:
             dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
         if not bool(torch.isfinite(self._buffer.flat).all()):
             raise FloatingPointError(
-                f"DP-SGD step {self._steps_taken() + 1}: the noisy gradient sum is not finite (NaN or inf; check "
+                f"DP-SGD step {self._ledger.steps + 1}: the noisy gradient sum is not finite (NaN or inf; check "
                 "trainer.precision and the learning rate); stopped before the optimizer step, nothing of it was released"
             )
 
     def _refuse_step(self, epsilon: float) -> None:
         self.lightning_module.trainer.should_stop = True
         rank_zero_info(
-            f"DP-SGD: stopping before step {self._accountant.steps + 1}: it would spend ε={epsilon:.4f} "
+            f"DP-SGD: stopping before step {self._ledger.steps + 1}: it would spend ε={epsilon:.4f} "
             f"> target_epsilon={self._target_epsilon}"
         )
 
@@ -328,14 +318,12 @@ class DPStrategy(DDPStrategy):
         module = self.lightning_module
         module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
         module.log("privacy/noise_multiplier", float(self._noise_multiplier), on_step=True, batch_size=1)
-        module.log("privacy/steps", float(self._accountant.steps), on_step=True, batch_size=1)
-        if self.is_global_zero and self._ledger_dir is not None:
-            write_ledger(self._ledger_dir, self._ledger_state(), epsilon=epsilon)
+        module.log("privacy/steps", float(self._ledger.steps), on_step=True, batch_size=1)
+        self._ledger.write(self._privacy_facts(), epsilon=epsilon)
 
-    def _ledger_state(self) -> dict[str, Any]:
-        assert self._accountant is not None
+    def _privacy_facts(self) -> dict[str, Any]:
+        """What the ledger records beside the accountant's history (never a seed)."""
         return {
-            "accountant": self._accountant.state_dict(),
             "noise_multiplier": self._noise_multiplier,
             "max_grad_norm": self._max_grad_norm,
             "sample_rate": self._sample_rate,
@@ -348,8 +336,8 @@ class DPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save the checkpoint with the privacy ledger inside."""
-        if self._accountant is not None:
-            checkpoint[CHECKPOINT_KEY] = self._ledger_state()
+        if self._ledger.accountant is not None:
+            checkpoint[CHECKPOINT_KEY] = self._ledger.state(self._privacy_facts())
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -357,7 +345,7 @@ class DPStrategy(DDPStrategy):
         """Load a checkpoint and keep its privacy ledger, so a resumed run continues its ε."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         if CHECKPOINT_KEY in checkpoint:
-            self._restored_ledger = checkpoint[CHECKPOINT_KEY]
+            self._ledger.restore(checkpoint[CHECKPOINT_KEY])
         elif self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
             raise ValueError(f"{checkpoint_path} has no privacy ledger: it was not saved by DPStrategy")
         return checkpoint
@@ -393,7 +381,9 @@ def _check_trainer(trainer: Trainer, precision: object) -> None:
             "logical batches and DPStrategy.max_physical_batch_size bounds memory"
         )
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
-        raise ValueError("trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'")
+        raise ValueError(
+            "trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'"
+        )
 
 
 def _size(batch: Batch) -> int:

@@ -122,8 +122,12 @@ def fit_one_process(
     ckpt_path: Path | None = None,
     max_steps: int | None = None,
     callbacks: list[Callback] | None = None,
+    noise_seeds: list[int] | None = None,
 ) -> tuple[L.Trainer, DPStrategy, torch.nn.Module]:
-    """The scenario on one process, from ``state`` (or a checkpoint), optionally replaying ``batches``."""
+    """The scenario on one process, from ``state`` (or a checkpoint), optionally replaying ``batches``.
+
+    ``noise_seeds``, when given, receives the seed of every step's noise generator.
+    """
     model = build_model(scenario.get("policy", "untied"), seed=0)
     if state is not None:
         model.load_state_dict(state)
@@ -137,6 +141,17 @@ def fit_one_process(
         "seed": 0,
     }
     strategy = ReplayStrategy(batches, **settings) if batches is not None else DPStrategy(**settings)
+    if noise_seeds is not None:
+        source = strategy._noise_source
+        seed_of = source.seed
+
+        def recorded(stream: str, *, steps: int) -> int:
+            seed = seed_of(stream, steps=steps)
+            if stream == "noise":
+                noise_seeds.append(seed)
+            return seed
+
+        source.seed = recorded  # type: ignore[method-assign]
     trainer = L.Trainer(
         strategy=strategy,
         devices=1,
@@ -276,14 +291,15 @@ def test_two_process_checkpoint_resumes_on_one_process_with_the_ledger(
     saved = torch.load(checkpoint, weights_only=False)
     assert saved[CHECKPOINT_KEY]["accountant"]["history"] == [(1.0, Q, 4)]
     start = TrainStartState()
+    seeds: list[int] = []
     trainer, strategy, _ = fit_one_process(
-        tmp_path, BY_NAME["noisy_untied"], ckpt_path=checkpoint, max_steps=6, callbacks=[start]
+        tmp_path, BY_NAME["noisy_untied"], ckpt_path=checkpoint, max_steps=6, callbacks=[start], noise_seeds=seeds
     )
     assert_identical(start.state, ranks[0]["final"])
     assert strategy.expected_batch_size == BATCH_SIZE and strategy.sample_rate == Q
     assert strategy.accountant.steps == trainer.global_step == 6
     assert strategy.accountant.epsilon() == pytest.approx(opacus_epsilon(1.0, 6), rel=1e-9)
-    assert strategy._noise_generator.initial_seed() == derive_seed(0, "noise", 4)  # fresh noise after a resume
+    assert seeds == [derive_seed(0, "noise", 4), derive_seed(0, "noise", 5)]  # fresh noise after a resume
 
 
 def test_target_epsilon_stop_is_taken_by_every_rank(runs: Callable[[str], Ranks]) -> None:

@@ -85,8 +85,10 @@ def _compare(name: str, ghost: Tensor | None, expected: Tensor, whole: Tensor, t
     checked = torch.isfinite(whole)  # an example whose autograd gradient is not finite is dropped by the engines
     failed = checked & ~(relative <= tolerance)  # NaN fails
     if bool(failed.any()):
-        worst = "a non-finite amount" if not bool(torch.isfinite(relative[failed]).all()) else (
-            f"{float(relative[failed].max()):.1e}"
+        worst = (
+            "a non-finite amount"
+            if not bool(torch.isfinite(relative[failed]).all())
+            else (f"{float(relative[failed].max()):.1e}")
         )
         raise ValueError(
             f"ghost clipping self-check failed for trainable parameter {name!r}: its per-example gradient norms "
