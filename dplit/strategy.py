@@ -37,17 +37,13 @@ CHECKPOINT_KEY = "dplit_privacy"
 class DPStrategy(DDPStrategy):
     """DP-SGD on one or many devices: per-example clipping, Poisson batches, noise once per logical batch.
 
-    One Lightning optimizer step is one DP step. The train loader yields Poisson-sampled logical batches
-    (expected size = the loader's ``batch_size``, across all devices); each is run in micro-batches of
-    at most ``max_physical_batch_size``; the clipped per-example gradients are summed (and all-reduced
-    once across devices), N(0, σ²C²) noise is added once, the sum is divided by the expected batch size,
-    and the optimizer steps. The accountant's ledger is saved in every checkpoint.
-
-    Under data parallelism there is no DDP wrapper: rank 0's weights are broadcast once at setup; each rank
-    Poisson-samples its own shard of the dataset at the global rate q and clips its examples; rank 0 adds
-    the noise to its sum; ONE all-reduce per step (not per micro-batch) gives every rank the same noisy
-    global sum, so every rank takes the same optimizer step. The accountant uses the global q, so ε does
-    not depend on the number of devices (and a run may resume on a different number of them).
+    One Lightning optimizer step is one DP step: a Poisson logical batch (expected size = the loader's
+    ``batch_size``, over all devices) is clipped in micro-batches of at most ``max_physical_batch_size``, the
+    clipped sums are all-reduced once with N(0, σ²C²) noise added once (rank 0, see :mod:`dplit.privacy.noise`),
+    divided by the expected batch size, and the optimizer steps. Under data parallelism there is no DDP wrapper:
+    rank 0's weights are broadcast at setup and each rank samples its own shard at the global rate q, so ε does
+    not depend on the number of devices. The ledger (:class:`~dplit.privacy.ledger.RunLedger`) is saved in every
+    checkpoint and in ``privacy_ledger.json``.
 
     Args:
         max_grad_norm: the per-example clipping bound C.
@@ -137,12 +133,7 @@ class DPStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        _check_trainer(trainer, self.precision_plugin)
-        if self._target_epsilon is not None and trainer.max_steps == -1 and trainer.max_epochs == -1:
-            raise ValueError(
-                "DPStrategy.target_epsilon spreads ε over the planned steps: set a finite trainer.max_epochs or "
-                "trainer.max_steps (both are -1), or give DPStrategy.noise_multiplier instead"
-            )
+        _check_trainer(trainer, self.precision_plugin, planned=self._target_epsilon is not None)
         module = self.lightning_module
         if not callable(getattr(module, "per_example_loss", None)):
             raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
@@ -171,13 +162,7 @@ class DPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
-        size = len(dataloader.dataset)  # type: ignore[arg-type]
-        batch_size = dataloader.batch_size
-        if size == 0:
-            raise ValueError("the training dataset is empty")
-        if batch_size is None or not 0 < batch_size <= size:
-            raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
-        self._dataset_size, self._sample_rate = size, batch_size / size
+        self._dataset_size, self._sample_rate = _size_and_rate(dataloader)
         seed = self._noise_source.seed("sampling", steps=self._ledger.steps)  # the sampler mixes in the rank
         return poisson_loader(
             dataloader, sample_rate=self._sample_rate, num_replicas=self.world_size, rank=self.global_rank, seed=seed
@@ -195,24 +180,21 @@ class DPStrategy(DDPStrategy):
         self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
         if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
             restored = self._ledger.restored_noise_multiplier
-            self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
+            planned = self.lightning_module.trainer.estimated_stepping_batches
+            self._noise_multiplier = restored if restored is not None else self._calibrate(delta, planned)
         rank_zero_info(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self._max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
             f"steps so far {self._ledger.steps}, noise {self._noise_source.describe()}"
         )
 
-    def _calibrate(self, delta: float) -> float:
-        planned = self.lightning_module.trainer.estimated_stepping_batches
+    def _calibrate(self, delta: float, planned: float) -> float:
         if not math.isfinite(planned):
             raise ValueError("DPStrategy.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
         assert self._target_epsilon is not None and self._sample_rate is not None
+        target, rate = self._target_epsilon, self._sample_rate
         return calibrate_noise_multiplier(
-            target_epsilon=self._target_epsilon,
-            delta=delta,
-            sample_rate=self._sample_rate,
-            steps=int(planned),
-            mechanism=self._mechanism,
+            target_epsilon=target, delta=delta, sample_rate=rate, steps=int(planned), mechanism=self._mechanism
         )
 
     @override
@@ -232,7 +214,9 @@ class DPStrategy(DDPStrategy):
                 norms.append(stats.norms)
         self._buffer.detach()
         self._state_guard.check()  # before any noise or step: nothing written from private data is released
-        return self._log_batch(module, losses, norms)
+        if not losses:
+            return torch.zeros((), device=self.root_device)
+        return _log_clipping(module, torch.cat(losses), torch.cat(norms), self._max_grad_norm)
 
     def _check_engine(self, module: LightningModule, batch: Batch) -> None:
         """Once, on the first non-empty logical batch: the ghost engine's norms against autograd's (see ``self_check``)."""
@@ -242,18 +226,6 @@ class DPStrategy(DDPStrategy):
         check_ghost_norms(self._engine, module, module.per_example_loss, batch, examples=examples)
         self._self_check_pending = False
         rank_zero_info("DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
-
-    def _log_batch(self, module: LightningModule, losses: list[Tensor], norms: list[Tensor]) -> Tensor:
-        if not losses:
-            return torch.zeros((), device=self.root_device)
-        loss, norm = torch.cat(losses).float(), torch.cat(norms).float()
-        size = loss.shape[0]
-        module.log("train/loss", loss.mean(), batch_size=size, prog_bar=True)
-        module.log("dp/clip_fraction", (norm > self._max_grad_norm).float().mean(), batch_size=size)
-        finite = torch.isfinite(norm)
-        module.log("dp/grad_norm", norm[finite].mean() if bool(finite.any()) else norm.new_zeros(()), batch_size=size)
-        module.log("dp/dropped_examples", (~finite).sum().float(), batch_size=1, reduce_fx="sum")
-        return loss.mean()
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -301,11 +273,7 @@ class DPStrategy(DDPStrategy):
             self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, generator)
         if self.world_size > 1:
             dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
-        if not bool(torch.isfinite(self._buffer.flat).all()):
-            raise FloatingPointError(
-                f"DP-SGD step {self._ledger.steps + 1}: the noisy gradient sum is not finite (NaN or inf; check "
-                "trainer.precision and the learning rate); stopped before the optimizer step, nothing of it was released"
-            )
+        self._buffer.refuse_non_finite(step=self._ledger.steps + 1)
 
     def _refuse_step(self, epsilon: float) -> None:
         self.lightning_module.trainer.should_stop = True
@@ -315,10 +283,7 @@ class DPStrategy(DDPStrategy):
         )
 
     def _log_privacy(self, epsilon: float) -> None:
-        module = self.lightning_module
-        module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
-        module.log("privacy/noise_multiplier", float(self._noise_multiplier), on_step=True, batch_size=1)
-        module.log("privacy/steps", float(self._ledger.steps), on_step=True, batch_size=1)
+        _log_spend(self.lightning_module, epsilon, float(self._noise_multiplier or 0.0), self._ledger.steps)
         self._ledger.write(self._privacy_facts(), epsilon=epsilon)
 
     def _privacy_facts(self) -> dict[str, Any]:
@@ -369,7 +334,12 @@ def _check_privacy_arguments(
         raise ValueError(f"DPStrategy.target_delta must be in (0, 1), got {target_delta}")
 
 
-def _check_trainer(trainer: Trainer, precision: object) -> None:
+def _check_trainer(trainer: Trainer, precision: object, *, planned: bool) -> None:
+    if planned and trainer.max_steps == -1 and trainer.max_epochs == -1:
+        raise ValueError(
+            "DPStrategy.target_epsilon spreads ε over the planned steps: set a finite trainer.max_epochs or "
+            "trainer.max_steps (both are -1), or give DPStrategy.noise_multiplier instead"
+        )
     if trainer.gradient_clip_val:
         raise ValueError(
             "trainer.gradient_clip_val must be unset with DPStrategy: it clips per example "
@@ -396,3 +366,33 @@ def _split(batch: Batch, size: int) -> Iterator[Batch]:
     total = _size(batch)
     for start in range(0, total, size):
         yield {key: value[start : start + size] for key, value in batch.items()}
+
+
+def _size_and_rate(dataloader: DataLoader) -> tuple[int, float]:
+    """N and the Poisson rate q = batch_size / N of the training loader (refusing an empty set, a bad size)."""
+    size = len(dataloader.dataset)  # type: ignore[arg-type]
+    batch_size = dataloader.batch_size
+    if size == 0:
+        raise ValueError("the training dataset is empty")
+    if batch_size is None or not 0 < batch_size <= size:
+        raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch_size}")
+    return size, batch_size / size
+
+
+def _log_clipping(module: LightningModule, losses: Tensor, norms: Tensor, max_grad_norm: float) -> Tensor:
+    """Log the logical batch's loss, clip fraction, mean norm and dropped (non-finite) examples; return the loss."""
+    loss, norm = losses.float(), norms.float()
+    size = loss.shape[0]
+    finite = torch.isfinite(norm)
+    module.log("train/loss", loss.mean(), batch_size=size, prog_bar=True)
+    module.log("dp/clip_fraction", (norm > max_grad_norm).float().mean(), batch_size=size)
+    module.log("dp/grad_norm", norm[finite].mean() if bool(finite.any()) else norm.new_zeros(()), batch_size=size)
+    module.log("dp/dropped_examples", (~finite).sum().float(), batch_size=1, reduce_fx="sum")
+    return loss.mean()
+
+
+def _log_spend(module: LightningModule, epsilon: float, noise_multiplier: float, steps: int) -> None:
+    """Log ε so far, σ and the number of DP steps."""
+    module.log("privacy/epsilon", epsilon, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+    module.log("privacy/noise_multiplier", noise_multiplier, on_step=True, batch_size=1)
+    module.log("privacy/steps", float(steps), on_step=True, batch_size=1)

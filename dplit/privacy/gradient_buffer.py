@@ -56,3 +56,11 @@ class GradientBuffer:
         for param, view in zip(self._parameters, self._views):
             view.div_(scale)
             param.grad = view if param.dtype == view.dtype else view.to(param.dtype)
+
+    def refuse_non_finite(self, *, step: int) -> None:
+        """Raise ``FloatingPointError`` if any entry (noise included) is NaN or infinite, before anything is released."""
+        if not bool(torch.isfinite(self.flat).all()):
+            raise FloatingPointError(
+                f"DP-SGD step {step}: the noisy gradient sum is not finite (NaN or inf; check trainer.precision and "
+                "the learning rate); stopped before the optimizer step, nothing of it was released"
+            )
