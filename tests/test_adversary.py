@@ -331,3 +331,32 @@ def test_the_self_check_refusal_prints_no_norm_of_a_private_example() -> None:
     for value in norms.tolist():
         assert f"{value:.4g}" not in message and f"{value:.3g}" not in message
     assert "[" not in message
+
+
+def test_the_self_check_runs_under_the_trainers_bf16_autocast(tmp_path: Path) -> None:
+    from dplit.model import GPT2Classifier
+    from dplit.strategy import DPStrategy
+    from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
+
+    autocast_seen: list[bool] = []
+
+    class Recording(GPT2Classifier):
+        def per_example_loss(self, batch: Batch) -> Tensor:
+            autocast_seen.append(torch.is_autocast_enabled("cpu"))
+            return super().per_example_loss(batch)
+
+    torch.manual_seed(0)
+    model = Recording(config=TINY_GPT2, vocab_size=VOCAB, label_word_ids=LABEL_WORDS)
+    trainer = L.Trainer(
+        strategy=DPStrategy(accelerator="cpu", max_grad_norm=0.1, noise_multiplier=1.0),
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, RandomTokenData())
+    assert autocast_seen and all(autocast_seen)  # the self-check's calls (the first ones) included
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
