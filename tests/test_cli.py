@@ -102,11 +102,22 @@ def test_command_line_override_reaches_the_strategy(tmp_path: Path) -> None:
     assert run_cli(["fit", *args]).trainer.strategy.max_grad_norm == 0.3
 
 
-def test_seed_everything_makes_runs_identical(tmp_path: Path) -> None:
+def _two_runs(tmp_path: Path, *extra: str) -> list[dict[str, torch.Tensor]]:
     states = []
     for run in range(2):
-        args = quickstart_args(tmp_path / str(run), "--trainer.fast_dev_run", "2", "--seed_everything", "7")
+        args = quickstart_args(tmp_path / str(run), "--trainer.fast_dev_run", "2", "--seed_everything", "7", *extra)
         states.append(run_cli(["fit", *args]).model.state_dict())
+    return states
+
+
+def test_seed_everything_does_not_make_the_noise_predictable(tmp_path: Path) -> None:
+    states = _two_runs(tmp_path)
+    assert not all(torch.equal(states[0][key], states[1][key]) for key in states[0])
+
+
+def test_an_explicit_strategy_seed_makes_runs_identical(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="do not release"):
+        states = _two_runs(tmp_path, "--trainer.strategy.init_args.seed", "3")
     assert all(torch.equal(states[0][key], states[1][key]) for key in states[0])
 
 
