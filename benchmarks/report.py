@@ -201,7 +201,8 @@ def markdown(results: dict[str, Any]) -> str:
         *_run_lines(results),
         "",
         f"One optimizer step (forward, backward, clipping, noise σ={settings['sigma']}, C={settings['max_grad_norm']}, "
-        f"AdamW) on a random-init label-word CausalLMClassifier ({_families(rows)}), random tokens (all real, no "
+        f"AdamW; precision {settings.get('precision', '32-true')}) on a random-init label-word CausalLMClassifier "
+        f"({_families(rows)}), random tokens (all real, no "
         f"padding), each configuration in its own process. Step time: median of {_step_counts(rows, settings)} "
         f"(wall clock; `CPU s` is process CPU time, all threads, and `CPU ×` its ratio to non-private: with 1 torch "
         f"thread the steadier measure when other processes share the machine). Memory: {memory} "
@@ -210,6 +211,8 @@ def markdown(results: dict[str, Any]) -> str:
         "non-private training of the same model (same size and embedding policy) in the same run.",
         "",
     ]
+    if results.get("complete") is False:  # results.json of a suite that was stopped (benchmarks.run writes it per row)
+        lines += [f"**Incomplete**: the suite stopped after {len(rows)} configuration(s); the rest were not measured.", ""]
     if any((r.get("others_share") or 0) > 0.15 for r in rows):
         lines += [
             "Note: other processes used the machine's CPUs during some configurations (column `others`: their "
@@ -319,8 +322,15 @@ def size_order(row: Row) -> tuple[bool, int, int, int]:
     return (not official, model, -row["batch"], row["seq_len"])
 
 
+def can_chart() -> bool:
+    """Whether matplotlib (the ``bench`` extra) is installed, so that ``write`` also draws chart.png."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write(results: dict[str, Any], out_dir: Path) -> str:
-    """Recompute ratios and targets, then write results.json, table.md and chart.png into ``out_dir``."""
+    """Recompute ratios and targets, then write results.json, table.md and (with matplotlib) chart.png."""
     results["rows"].sort(key=size_order)
     add_ratios(results["rows"])
     results["targets"] = evaluate_targets(results["rows"])
@@ -328,7 +338,8 @@ def write(results: dict[str, Any], out_dir: Path) -> str:
     (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     table = markdown(results)
     (out_dir / "table.md").write_text(table)
-    chart(results, out_dir / "chart.png")
+    if can_chart():  # a GPU machine may lack the bench extra: the numbers matter more than the picture
+        chart(results, out_dir / "chart.png")
     return table
 
 

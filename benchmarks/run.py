@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import report  # noqa: E402
-from benchmarks.step import MODELS, PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
+from benchmarks.step import MODELS, PRECISIONS, PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = 0.15
@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 300 quick, 3600)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda[:i]")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch default)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="32-true (default) or bf16-mixed (bf16 autocast around forward and loss, as Lightning's "
+                             "bf16-mixed and the shipped GPU configs)")
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
     parser.add_argument("--privatize", choices=PRIVATIZE_MODES, default="strategy",
@@ -201,7 +204,7 @@ def run_one(
             "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--task", args.task,
             "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
             "--device", args.device, "--threads", str(args.threads), "--privatize", privatize,
-            "--out", str(out),
+            "--precision", args.precision, "--out", str(out),
         ]
         busy_before = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
         start = time.perf_counter()
@@ -236,6 +239,37 @@ def run_one(
     return row
 
 
+def assemble(
+    args: argparse.Namespace,
+    header: dict[str, Any],
+    previous: list[dict[str, Any]],
+    earlier_runs: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    suite_wall_s: float,
+) -> dict[str, Any]:
+    """The results document: this run's rows after the kept rows of earlier runs (``--append``), settings, runs."""
+    fresh = {report.row_key(r) for r in rows}
+    kept = [r for r in previous if report.row_key(r) not in fresh]
+    results = {
+        **header,
+        "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
+                     "max_grad_norm": args.max_grad_norm, "privatize": args.privatize, "device": args.device,
+                     "precision": args.precision, "timeout_s": args.timeout, "suite_wall_s": suite_wall_s},
+        "rows": kept + rows,
+    }
+    this_run = {"created": header["created"], "command": header["command"], "git": header["git"]}
+    results["runs"] = (earlier_runs if kept else []) + [this_run]  # every run whose rows are in this file
+    return results
+
+
+def write_partial(results: dict[str, Any], out: Path) -> None:
+    """results.json so far (``complete: false``), replaced atomically: a killed suite keeps its measured rows."""
+    out.mkdir(parents=True, exist_ok=True)
+    temporary = out / "results.json.tmp"
+    temporary.write_text(json.dumps({**results, "complete": False}, indent=2) + "\n")
+    os.replace(temporary, out / "results.json")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
@@ -249,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
         earlier = json.loads(results_path.read_text())
         previous = earlier["rows"]
         earlier_runs = earlier.get("runs") or [{key: earlier.get(key) for key in ("created", "command", "git")}]
+    header = {"created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "command": command,
+              "machine": machine, "git": git_at_start}
     rows: list[dict[str, Any]] = []
     configs = sorted(args.configs, key=lambda c: c[0] != "non_private")  # baselines first
     suite_start = time.perf_counter()
@@ -269,30 +305,20 @@ def main(argv: list[str] | None = None) -> None:
                     if again["status"] == "ok" and again["others_share"] < row["others_share"]:
                         row = again
                 rows.append(row)
+                write_partial(assemble(args, header, previous, earlier_runs, rows, time.perf_counter() - suite_start),
+                              args.out)
                 timing = f"{row['step_time_s']:.3f} s/step" if row.get("step_time_s") else ""
                 memory = f"{row['peak_mem_mb']:.0f} MB peak" if row.get("peak_mem_mb") else ""
                 print(f"{row['status']} {timing} {memory} {row.get('message', '')[:120]}", flush=True)
-    fresh = {report.row_key(r) for r in rows}
-    rows = [r for r in previous if report.row_key(r) not in fresh] + rows
-    results = {
-        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": command,
-        "machine": machine,
-        "git": git_at_start,
-        "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
-                     "max_grad_norm": args.max_grad_norm, "privatize": args.privatize, "device": args.device,
-                     "timeout_s": args.timeout, "suite_wall_s": time.perf_counter() - suite_start},
-        "rows": rows,
-    }
-    this_run = {"created": results["created"], "command": command, "git": git_at_start}
-    kept = {(r["model"], r["batch"], r["seq_len"]) for r in previous if report.row_key(r) not in fresh}
-    results["runs"] = (earlier_runs if kept else []) + [this_run]  # every run whose rows are in this file
-    if git_info() != git_at_start:
-        results["git"]["changed_during_run"] = git_info()["describe"]
+    results = {**assemble(args, header, previous, earlier_runs, rows, time.perf_counter() - suite_start),
+               "complete": True}
+    git_at_end = git_info()
+    if git_at_end != git_at_start:
+        git_at_start["changed_during_run"] = git_at_end["describe"]  # the same dict as this run's entry in "runs"
         print(f"warning: dplit changed during the run ({git_at_start['describe']} -> "
               f"{results['git']['changed_during_run']}); rerun for clean numbers", flush=True)
     print(report.write(results, args.out))
-    print(f"wrote {args.out / 'results.json'}, table.md, chart.png", flush=True)
+    print(f"wrote {args.out / 'results.json'}, table.md" + (", chart.png" if report.can_chart() else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ from typing import Any
 METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
 POLICIES = ("untied", "tied")
 PRIVATIZE_MODES = ("strategy", "flat", "per_parameter")
+PRECISIONS = ("32-true", "bf16-mixed")
+"""Lightning's names: float32 throughout, or bf16 autocast around forward and loss (weights, grads, AdamW in fp32)."""
 SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M's shape: Llama, deep and narrow (30 layers, width 576)
     "model_type": "llama",
     "num_hidden_layers": 30,
@@ -101,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda[:i]")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
+                        help="32-true (default) or bf16-mixed: forward and loss under torch.autocast(bfloat16), as "
+                             "Lightning's bf16-mixed does (DPStrategy autocasts its engine's whole pass the same way)")
     parser.add_argument(
         "--privatize",
         choices=PRIVATIZE_MODES,
@@ -230,18 +235,33 @@ def privatized_step(
     return (flat, "flat") if mode == "flat" else (per_parameter, "per_parameter")
 
 
+def autocast(args: argparse.Namespace, device: Any) -> Callable[[], Any]:
+    """A factory of the forward's precision context: bf16 autocast for ``bf16-mixed``, else a no-op."""
+    import torch
+
+    enabled = getattr(args, "precision", "32-true") == "bf16-mixed"
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
 def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], device: Any) -> Callable[[], None]:
-    """The closure running one full training step of ``args.method``."""
+    """The closure running one full training step of ``args.method``.
+
+    With ``--precision bf16-mixed`` the forward and loss run under bf16 autocast and backward outside it (as
+    Lightning's precision plugin does); the dplit engines run their whole pass under it, as DPStrategy does.
+    """
     import torch
     import torch.nn.functional as F
 
     params = [p for p in model.parameters() if p.requires_grad]
+    mixed = autocast(args, device)
     if args.method == "non_private":
         optimizer = torch.optim.AdamW(params, lr=args.lr)
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            model.per_example_loss(batch).mean().backward()
+            with mixed():
+                loss = model.per_example_loss(batch).mean()
+            loss.backward()
             optimizer.step()
 
         return step
@@ -257,9 +277,11 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
         optimizer = torch.optim.AdamW(params, lr=args.lr)
         generator = torch.Generator(device=device).manual_seed(args.seed + 7919)
 
-        private, args.privatize_used = privatized_step(
-            args, params, lambda: engine.accumulate(model.per_example_loss, batch), generator  # micro-batch = batch
-        )
+        def accumulate() -> None:
+            with mixed():  # DPStrategy: the precision plugin's train_step_context around the engine
+                engine.accumulate(model.per_example_loss, batch)  # micro-batch = batch
+
+        private, args.privatize_used = privatized_step(args, params, accumulate, generator)
 
         def dp_step() -> None:
             private()
@@ -289,8 +311,10 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
 
         def step() -> None:
             dp_optimizer.zero_grad(set_to_none=True)
-            logits = dp_model(batch["input_ids"], batch["attention_mask"])
-            F.cross_entropy(logits.float(), batch["labels"]).backward()
+            with mixed():
+                logits = dp_model(batch["input_ids"], batch["attention_mask"])
+                loss = F.cross_entropy(logits.float(), batch["labels"])
+            loss.backward()
             dp_optimizer.step()
 
         return step
@@ -299,8 +323,10 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
 
     def ghost_step() -> None:
         dp_optimizer.zero_grad(set_to_none=True)
-        logits = dp_model(batch["input_ids"], batch["attention_mask"])
-        criterion(logits.float(), batch["labels"]).backward()  # opacus' two backward passes
+        with mixed():
+            logits = dp_model(batch["input_ids"], batch["attention_mask"])
+            loss = criterion(logits.float(), batch["labels"])
+        loss.backward()  # opacus' two backward passes
         dp_optimizer.step()
 
     return ghost_step
@@ -333,6 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "memory_kind": "cuda_max_allocated" if cuda else "peak_rss",
         "threads": torch.get_num_threads(),
+        "precision": args.precision,
         "privatize": args.privatize if args.method.startswith("dplit") else None,
         "warmup": args.warmup,
         "steps": args.steps,
