@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import warnings
@@ -119,12 +120,34 @@ def run_lm_cli(args: ArgsType = None) -> DPLitLMCLI:
     return DPLitLMCLI(CausalLanguageModel, TextDataModule, parser_class=DPLitArgumentParser, args=args)
 
 
+REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
+"""What dplit raises for a bad config, bad data or an unsafe setting: shown as one line, not a traceback."""
+
+
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``dplit fit|validate|test --config X.yaml`` and ``dplit lm fit|validate --config X.yaml``."""
+    """Entry point of ``dplit fit|validate|test --config X.yaml`` and ``dplit lm fit|validate --config X.yaml``.
+
+    A refusal prints ``dplit: error: <message>`` on one line and exits 2; ``--debug`` or ``DPLIT_DEBUG=1`` shows
+    the traceback instead.
+    """
     argv = list(sys.argv[1:] if args is None else args)
-    if argv[:1] != ["lm"]:
-        run_cli(args)
-        return
-    with warnings.catch_warnings():  # the arguments after "lm" are the command line, passed on as args
+    debug = "--debug" in argv or os.environ.get("DPLIT_DEBUG") == "1"
+    argv = [arg for arg in argv if arg != "--debug"]
+    try:
+        _run(argv)
+    except REFUSALS as error:
+        if debug:
+            raise
+        message = " ".join(str(error).split())  # one line
+        print(f"dplit: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _run(argv: list[str]) -> None:
+    """Run the classifier CLI, or the ``dplit lm`` one."""
+    with warnings.catch_warnings():  # the command line is passed on as args (without --debug)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        run_lm_cli(argv[1:])
+        if argv[:1] == ["lm"]:
+            run_lm_cli(argv[1:])
+        else:
+            run_cli(argv)

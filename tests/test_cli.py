@@ -226,3 +226,22 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
     cli = run_cli(["fit", *quickstart_args(tmp_path, "--trainer.fast_dev_run", "2", *override)])
     assert cli.trainer.strategy.accountant.steps == 2
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trainer.gradient_clip_val", "1.0"], "trainer.gradient_clip_val must be unset with DPStrategy"),
+        (["--trainer.strategy.init_args.max_grad_norm", "-1"], "DPStrategy.max_grad_norm must be a finite number"),
+    ],
+)
+def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra: list[str], message: str) -> None:
+    executable = Path(sys.executable).with_name("dplit")
+    command = [str(executable) if executable.exists() else "dplit", "fit", *quickstart_args(tmp_path, *extra)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output
+    errors = [line for line in output.splitlines() if line.startswith("dplit: error:")]
+    assert len(errors) == 1 and message in errors[0]
+    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
+    assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr
