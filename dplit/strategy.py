@@ -386,7 +386,8 @@ def _log_clipping(module: LightningModule, losses: Tensor, norms: Tensor, max_gr
     finite = torch.isfinite(norm)
     module.log("train/loss", loss.mean(), batch_size=size, prog_bar=True)
     module.log("dp/clip_fraction", (norm > max_grad_norm).float().mean(), batch_size=size)
-    module.log("dp/grad_norm", norm[finite].mean() if bool(finite.any()) else norm.new_zeros(()), batch_size=size)
+    mean_norm = norm.where(finite, 0.0).sum() / finite.sum().clamp(min=1)  # no device sync in the training step
+    module.log("dp/grad_norm", mean_norm, batch_size=size)
     module.log("dp/dropped_examples", (~finite).sum().float(), batch_size=1, reduce_fx="sum")
     return loss.mean()
 
