@@ -231,7 +231,7 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--trainer.gradient_clip_val", "1.0"], "trainer.gradient_clip_val must be unset with DPStrategy"),
+        (["--trainer.strategy.init_args.max_physical_batch_size", "0"], "max_physical_batch_size must be ≥ 1"),
         (["--trainer.strategy.init_args.max_grad_norm", "-1"], "DPStrategy.max_grad_norm must be a finite number"),
     ],
 )
