@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import sys
@@ -10,13 +11,18 @@ import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
+from dplit.terminal import terminal_output
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
 _PRIVACY_NUMBERS = {
@@ -65,8 +71,18 @@ class DPLitCLI(LightningCLI):
         ("data.max_length", "model.max_length"),
     )
 
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test`` (GLUE's dev split); no ``predict``: there is nothing to predict on."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--non_private", type=bool, default=False,
+            help="Train without DPStrategy on purpose (no clipping, no noise, no privacy guarantee)",
+        )  # fmt: skip
         for source, target in self.links:
             parser.link_arguments(source, target, apply_on="instantiate")
 
@@ -76,6 +92,34 @@ class DPLitCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
+            if subcommand == "fit":
+                check_privacy_choice(self.config[subcommand])
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "fit" and self.config[self.subcommand].get("non_private"):
+            rank_zero_warn(NON_PRIVATE_WARNING, category=PrivacyWarning)
+
+    def before_fit(self) -> None:
+        """Resolve ``--ckpt_path last`` and record in the logged hyperparameters whether the run is private."""
+        self._resolve_last_checkpoint()
+        non_private = bool(self.config_init[self.subcommand].get("non_private"))
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({"non_private": non_private})
+
+    def before_validate(self) -> None:
+        """Resolve ``--ckpt_path last``."""
+        self._resolve_last_checkpoint()
+
+    def before_test(self) -> None:
+        """Resolve ``--ckpt_path last``."""
+        self._resolve_last_checkpoint()
+
+    def _resolve_last_checkpoint(self) -> None:
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            config["ckpt_path"] = str(find_last_checkpoint(self.trainer))
+            rank_zero_info(f"--ckpt_path last: {config['ckpt_path']}")
 
     @override
     def instantiate_classes(self) -> None:
@@ -92,6 +136,63 @@ class DPLitLMCLI(DPLitCLI):
     """The ``dplit lm`` command: CausalLanguageModel on TextDataModule (vocabulary size and length linked)."""
 
     links = (("data.vocab_size", "model.vocab_size"), ("data.max_length", "model.max_length"))
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` (a text corpus has no test split here, and nothing to predict)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+
+NON_PRIVATE_WARNING = (
+    "NON-PRIVATE run (--non_private true): trained without DPStrategy, so no clipping, no noise, no privacy "
+    "ledger and NO differential privacy guarantee for the model or anything computed from it"
+)
+
+
+def check_privacy_choice(config: Any) -> None:
+    """Refuse a ``fit`` whose strategy is not :class:`DPStrategy` unless ``--non_private true`` says so (and vice versa)."""
+    strategy = config["trainer"].get("strategy")
+    private = _is_dp_strategy(strategy)
+    shown = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", type(strategy).__name__)
+    if not private and not config.get("non_private"):
+        raise ValueError(
+            f"trainer.strategy={shown!r} trains WITHOUT differential privacy: use dplit.strategy.DPStrategy, or pass "
+            "--non_private true to train non-privately on purpose"
+        )
+    if private and config.get("non_private"):
+        raise ValueError("--non_private true contradicts trainer.strategy=DPStrategy: drop one of them")
+
+
+def _is_dp_strategy(strategy: Any) -> bool:
+    if isinstance(strategy, DPStrategy):
+        return True
+    class_path = getattr(strategy, "class_path", None) if not isinstance(strategy, dict) else strategy.get("class_path")
+    if not class_path:
+        return False
+    module, _, name = str(class_path).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, DPStrategy)
+
+
+def find_last_checkpoint(trainer: Trainer) -> Path:
+    """The newest ``last*.ckpt`` or ``interrupted.ckpt`` of this run's checkpoint folders and version folders."""
+    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    root = Path(getattr(trainer.logger, "root_dir", None) or trainer.default_root_dir)
+    folders += [path for path in root.glob("*/checkpoints") if path.is_dir()]
+    found = [
+        path for folder in folders for path in folder.glob("*.ckpt")
+        if path.name.startswith("last") or path.name == INTERRUPT_CHECKPOINT
+    ]  # fmt: skip
+    if not found:
+        raise ValueError(
+            f"--ckpt_path last: no last.ckpt or {INTERRUPT_CHECKPOINT} under {root}, so there is nothing to resume "
+            "(training would restart ε at 0): give a checkpoint file, or leave --ckpt_path unset for a new run"
+        )
+    return max(found, key=lambda path: path.stat().st_mtime)
 
 
 def check_checkpoint_path(ckpt_path: str | None) -> None:
@@ -134,7 +235,8 @@ def main(args: ArgsType = None) -> None:
     debug = "--debug" in argv or os.environ.get("DPLIT_DEBUG") == "1"
     argv = [arg for arg in argv if arg != "--debug"]
     try:
-        _run(argv)
+        with terminal_output():
+            _run(argv)
     except REFUSALS as error:
         if debug:
             raise

@@ -5,33 +5,53 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy import GhostEngine, build_engine
-from dplit.privacy.accountant import Mechanism, PrivacyAccountant, calibrate_noise_multiplier, default_delta
+from dplit.privacy.accountant import (
+    Mechanism,
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    default_delta,
+)
+try:  # TEMP-SHIM until accountant.check_accountable lands
+    from dplit.privacy.accountant import check_accountable
+except ImportError:
+    def check_accountable(**_: object) -> None:
+        return None
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
-from dplit.privacy.ledger import RunLedger
+from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
 from dplit.privacy.self_check import check_ghost_norms
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
+from dplit.privacy.warnings import PrivacyWarning
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "dplit_privacy"
+INTERRUPT_CHECKPOINT = "interrupted.ckpt"
+"""Saved in the run's ``checkpoints/`` folder, with the ledger, when training is interrupted or crashes."""
+TESTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed")
+"""The precisions the DP path is tested with; others (``16-true``: fp16 weights overflow to NaN) are refused."""
+NO_NOISE_WARNING = (
+    "DPStrategy.noise_multiplier=0: NO NOISE is added, so this run is NOT differentially private (ε = ∞); "
+    "clipping alone protects nothing"
+)
 
 
 class DPStrategy(DDPStrategy):
@@ -62,6 +82,8 @@ class DPStrategy(DDPStrategy):
             independent of ``seed_everything``, never stored, and fresh after a resume. An explicit seed makes
             both streams reproducible and PREDICTABLE from the config (warns; the ledger records it): only for
             tests and debugging, never for a run that is released. Only rank 0 draws noise.
+        allow_large_delta: accept δ ≥ 1/N (refused by default: a δ that large permits releasing whole
+            examples); warns when used.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
     """
 
@@ -80,6 +102,7 @@ class DPStrategy(DDPStrategy):
         max_physical_batch_size: int = 32,
         self_check: bool = True,
         seed: int | None = None,
+        allow_large_delta: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -98,6 +121,11 @@ class DPStrategy(DDPStrategy):
         self._max_physical_batch_size = max_physical_batch_size
         self._self_check_pending = self_check
         self._noise_source = NoiseSource(seed=seed)
+        self._allow_large_delta = allow_large_delta
+        self._next_epsilon: float | None = None
+        self._steps_at_start = 0
+        self._interrupt_path: Path | None = None
+        self._resumed_from: Path | None = None
         self._engine: ClippingEngine | None = None
         self._ledger = RunLedger()
         self._sample_rate: float | None = None
@@ -170,23 +198,51 @@ class DPStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        """Calibrate σ for the planned steps and open (or continue) the privacy ledger."""
+        """Check δ and σ, calibrate σ for the planned steps, open (or continue) the ledger, stop if it is spent."""
         super().on_train_start()
         if self._sample_rate is None or self._dataset_size is None:
             raise RuntimeError("DPStrategy did not see the training dataloader")
+        trainer = self.lightning_module.trainer
         delta = self._target_delta or default_delta(self._dataset_size)
-        log_dir = self.lightning_module.trainer.log_dir  # a collective: every rank asks, rank 0 writes
-        self._ledger.open(delta=delta, mechanism=self._mechanism, directory=log_dir if self.is_global_zero else None)
+        _check_delta(delta, self._dataset_size, allowed=self._allow_large_delta)
+        planned = trainer.estimated_stepping_batches
+        log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
+        self._open_ledger(delta, planned, log_dir)
         self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
-        if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
-            restored = self._ledger.restored_noise_multiplier
-            planned = self.lightning_module.trainer.estimated_stepping_batches
-            self._noise_multiplier = restored if restored is not None else self._calibrate(delta, planned)
         rank_zero_info(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self._max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self._clipping}, "
             f"steps so far {self._ledger.steps}, noise {self._noise_source.describe()}"
         )
+        if self._noise_multiplier == 0:
+            rank_zero_warn(NO_NOISE_WARNING, category=PrivacyWarning)
+        self._steps_at_start = self._ledger.steps
+        self._interrupt_path = _checkpoint_folder(trainer, log_dir) / INTERRUPT_CHECKPOINT
+        if self._steps_at_start:  # a resumed run always has a ledger file, even if it takes no step
+            self._log_privacy(self._ledger.accountant.epsilon(), log=False)
+        self._next_epsilon = self._epsilon_after(1)
+        if self.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
+            self._stop(self._next_epsilon)
+
+    def _open_ledger(self, delta: float, planned: float, log_dir: str | None) -> None:
+        """Open the ledger, continuing this run's newest ledger file if it counted steps the checkpoint missed."""
+        directory = log_dir if self.is_global_zero else None
+        self._ledger.open(delta=delta, mechanism=self._mechanism, directory=directory)
+        if self._resumed_from is not None:
+            folders = ledger_folders(self._resumed_from, log_dir)
+            adopted = self._ledger.adopt_newest_record(folders) if self.is_global_zero else None
+            history = self.broadcast(self._ledger.accountant.state_dict()["history"])
+            self._ledger.accountant.load_state_dict({**self._ledger.accountant.state_dict(), "history": history})
+            if adopted is not None:
+                rank_zero_warn(adopted, category=PrivacyWarning)
+        steps = int(planned) if math.isfinite(planned) else None
+        check_accountable(
+            mechanism=self._mechanism, sample_rate=self._sample_rate, steps=steps, delta=delta,
+            noise_multiplier=self._noise_multiplier, target_epsilon=self._target_epsilon,
+        )  # fmt: skip
+        if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
+            restored = self._ledger.restored_noise_multiplier
+            self._noise_multiplier = restored if restored is not None else self._calibrate(delta, planned)
 
     def _calibrate(self, delta: float, planned: float) -> float:
         if not math.isfinite(planned):
@@ -253,37 +309,56 @@ class DPStrategy(DDPStrategy):
         """All-reduce the clipped sums once, with N(0, σ²C²) added once (rank 0), and divide by q·N."""
         accountant = self._ledger.accountant
         assert accountant is not None and self._noise_multiplier is not None and self._buffer is not None
-        sigma, rate = self._noise_multiplier, self._sample_rate
-        epsilon = accountant.epsilon(extra_steps=1, noise_multiplier=sigma, sample_rate=rate)
-        exceeds = self._target_epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
-        self._global_noisy_sum(stop=self.is_global_zero and exceeds)
-        if self._buffer.extra[0] > 0:  # rank 0's decision, so every rank refuses the same steps
-            self._refuse_step(epsilon)
-            return
+        epsilon = self._next_epsilon if self._next_epsilon is not None else self._epsilon_after(1)
+        if self._exceeds(epsilon):  # only reachable when trainer.min_steps / min_epochs overrule the stop
+            raise ValueError(
+                f"trainer.min_steps / trainer.min_epochs forced DP step {accountant.steps + 1}, which would spend "
+                f"ε={epsilon:.4f} > DPStrategy.target_epsilon={self._target_epsilon}: stopped before it"
+            )
+        following = self._epsilon_after(2) if self._target_epsilon is not None else None  # ε after the next step
+        self._global_noisy_sum(stop=self.is_global_zero and self._exceeds(following))
+        stop = bool(self._buffer.extra[0] > 0)  # rank 0's decision, so every rank stops after the same step
         self._buffer.publish(self.expected_batch_size)
-        accountant.step(noise_multiplier=sigma, sample_rate=rate)
+        accountant.step(noise_multiplier=self._noise_multiplier, sample_rate=self._sample_rate)
         self._log_privacy(epsilon)
+        self._next_epsilon = following
+        if stop:
+            self._stop(following)
+
+    def _epsilon_after(self, steps: int) -> float:
+        """ε after ``steps`` more steps at this run's (σ, q)."""
+        assert self._ledger.accountant is not None and self._noise_multiplier is not None
+        rate = self._sample_rate or 0.0
+        return self._ledger.accountant.epsilon(extra_steps=steps, noise_multiplier=self._noise_multiplier, sample_rate=rate)
+
+    def _exceeds(self, epsilon: float | None) -> bool:
+        return self._target_epsilon is not None and epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
+
+    def _stop(self, next_epsilon: float | None) -> None:
+        """Stop before a step that would spend more than ``target_epsilon``: a refused step is never taken."""
+        self.lightning_module.trainer.should_stop = True
+        assert self._ledger.accountant is not None
+        rank_zero_warn(
+            f"DP-SGD: privacy budget spent: ε={self._ledger.accountant.epsilon():.4f} of "
+            f"target_epsilon={self._target_epsilon} after {self._ledger.steps} DP steps; the next step would "
+            f"spend ε={next_epsilon:.4f}, so training stops here",
+            category=PrivacyWarning,
+        )
 
     def _global_noisy_sum(self, stop: bool) -> None:
         """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
         assert self._buffer is not None and self._noise_multiplier is not None
         self._buffer.extra.fill_(float(stop))
-        if self.is_global_zero and self._noise_multiplier > 0 and not stop:  # a fresh generator every step
+        if self.is_global_zero and self._noise_multiplier > 0:  # a fresh generator every step
             generator = self._noise_source.generator("noise", steps=self._ledger.steps, device=self.root_device)
             self._buffer.add_noise(self._noise_multiplier * self._max_grad_norm, generator)
         if self.world_size > 1:
             dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
         self._buffer.refuse_non_finite(step=self._ledger.steps + 1)
 
-    def _refuse_step(self, epsilon: float) -> None:
-        self.lightning_module.trainer.should_stop = True
-        rank_zero_info(
-            f"DP-SGD: stopping before step {self._ledger.steps + 1}: it would spend ε={epsilon:.4f} "
-            f"> target_epsilon={self._target_epsilon}"
-        )
-
-    def _log_privacy(self, epsilon: float) -> None:
-        _log_spend(self.lightning_module, epsilon, float(self._noise_multiplier or 0.0), self._ledger.steps)
+    def _log_privacy(self, epsilon: float, log: bool = True) -> None:
+        if log:
+            _log_spend(self.lightning_module, epsilon, float(self._noise_multiplier or 0.0), self._ledger.steps)
         self._ledger.write(self._privacy_facts(), epsilon=epsilon)
 
     def _privacy_facts(self) -> dict[str, Any]:
@@ -299,6 +374,22 @@ class DPStrategy(DDPStrategy):
         }
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Save ``checkpoints/interrupted.ckpt`` with the ledger when steps taken since the start would be lost."""
+        super().on_exception(exception)
+        accountant, path = self._ledger.accountant, self._interrupt_path
+        if accountant is None or path is None or accountant.steps == self._steps_at_start:
+            return
+        if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
+            return  # the other ranks may be inside a collective: privacy_ledger.json is current, no checkpoint
+        self.lightning_module.trainer.save_checkpoint(path)
+        rank_zero_warn(
+            f"DP-SGD: training stopped by {type(exception).__name__} after {accountant.steps} DP steps; saved "
+            f"{path} with the privacy ledger (resume with --ckpt_path {path})",
+            category=PrivacyWarning,
+        )
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Save the checkpoint with the privacy ledger inside."""
         if self._ledger.accountant is not None:
@@ -311,6 +402,7 @@ class DPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         if CHECKPOINT_KEY in checkpoint:
             self._ledger.restore(checkpoint[CHECKPOINT_KEY])
+            self._resumed_from = Path(checkpoint_path)
         elif self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
             raise ValueError(f"{checkpoint_path} has no privacy ledger: it was not saved by DPStrategy")
         return checkpoint
@@ -334,7 +426,20 @@ def _check_privacy_arguments(
         raise ValueError(f"DPStrategy.target_delta must be in (0, 1), got {target_delta}")
 
 
-def _check_trainer(trainer: Trainer, precision: object, *, planned: bool) -> None:
+def _check_delta(delta: float, dataset_size: int, *, allowed: bool) -> None:
+    """Refuse δ ≥ 1/N (it permits releasing whole examples) unless ``allowed``, and then warn."""
+    if delta < 1 / dataset_size:
+        return
+    message = (
+        f"DPStrategy.target_delta={delta:.3g} is ≥ 1/N = {1 / dataset_size:.3g} for N={dataset_size} training "
+        "examples: a δ that large permits releasing whole examples"
+    )
+    if not allowed:
+        raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set DPStrategy.allow_large_delta=true")
+    rank_zero_warn(f"{message} (allowed by DPStrategy.allow_large_delta)", category=PrivacyWarning)
+
+
+def _check_trainer(trainer: Trainer, precision: Precision, *, planned: bool) -> None:
     if planned and trainer.max_steps == -1 and trainer.max_epochs == -1:
         raise ValueError(
             "DPStrategy.target_epsilon spreads ε over the planned steps: set a finite trainer.max_epochs or "
@@ -350,10 +455,32 @@ def _check_trainer(trainer: Trainer, precision: object, *, planned: bool) -> Non
             "trainer.accumulate_grad_batches must be 1 with DPStrategy: raise data.batch_size for larger "
             "logical batches and DPStrategy.max_physical_batch_size bounds memory"
         )
+    if trainer.fast_dev_run:
+        raise ValueError(
+            "trainer.fast_dev_run is refused with DPStrategy: it spends real privacy on the private data and writes "
+            "no ledger or checkpoint; for a short run set trainer.max_steps (σ is then calibrated for those steps)"
+        )
+    _check_precision(precision)
+
+
+def _check_precision(precision: Precision) -> None:
+    name = str(precision.precision)
     if isinstance(precision, MixedPrecision) and precision.scaler is not None:
         raise ValueError(
             "trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'"
         )
+    if name not in TESTED_PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={name!r} is not supported with DPStrategy (the DP path is tested with "
+            f"{', '.join(TESTED_PRECISIONS)}; '16-true' weights overflow to NaN): use 'bf16-mixed' or '32-true'"
+        )
+
+
+def _checkpoint_folder(trainer: Trainer, log_dir: str | None) -> Path:
+    """Where the run's checkpoints go: its ``ModelCheckpoint``'s folder, else ``<log_dir>/checkpoints``."""
+    callback = trainer.checkpoint_callback
+    folder = getattr(callback, "dirpath", None)
+    return Path(folder) if folder else Path(log_dir or trainer.default_root_dir) / "checkpoints"
 
 
 def _size(batch: Batch) -> int:

@@ -27,6 +27,13 @@ GLUE_FILES = {"sst2": (SST2_HEADER, SST2_ROWS), "qnli": (QNLI_HEADER, QNLI_ROWS)
 GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
 
 
+def steps(count: int) -> list[str]:
+    """A short run of ``count`` DP steps then one validation batch (what ``fast_dev_run`` did; it is refused beside DP)."""
+    return [
+        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", str(count), "--trainer.limit_val_batches", "1",
+    ]  # fmt: skip
+
+
 def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
     return [
         "--config", str(CONFIGS / "quickstart.yaml"),
@@ -53,7 +60,7 @@ def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
         "--trainer.accelerator", "cpu",
         "--trainer.precision", "32-true",
         "--trainer.enable_progress_bar", "false",
-        "--trainer.fast_dev_run", "1",
+        *steps(1),
         "--model.pretrained", "null",
         "--model.config", TINY_LLAMA if config.stem.startswith("smollm2") else TINY,
         "--data.data_dir", str(folder),
@@ -64,7 +71,7 @@ def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
 
 
 def test_quickstart_runs_one_private_step(tmp_path: Path) -> None:
-    cli = run_cli(["fit", *quickstart_args(tmp_path, "--trainer.fast_dev_run", "1")])
+    cli = run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
     strategy = cli.trainer.strategy
     assert isinstance(strategy, DPStrategy) and strategy.accountant.steps == 1
     assert 0 < cli.trainer.callback_metrics["privacy/epsilon"] <= 8.0
@@ -98,14 +105,14 @@ def test_print_config_shows_linked_and_overridden_values(tmp_path: Path, capsys:
 
 
 def test_command_line_override_reaches_the_strategy(tmp_path: Path) -> None:
-    args = quickstart_args(tmp_path, "--trainer.fast_dev_run", "1", "--trainer.strategy.init_args.max_grad_norm", "0.3")
+    args = quickstart_args(tmp_path, *steps(1), "--trainer.strategy.init_args.max_grad_norm", "0.3")
     assert run_cli(["fit", *args]).trainer.strategy.max_grad_norm == 0.3
 
 
 def _two_runs(tmp_path: Path, *extra: str) -> list[dict[str, torch.Tensor]]:
     states = []
     for run in range(2):
-        args = quickstart_args(tmp_path / str(run), "--trainer.fast_dev_run", "2", "--seed_everything", "7", *extra)
+        args = quickstart_args(tmp_path / str(run), *steps(2), "--seed_everything", "7", *extra)
         states.append(run_cli(["fit", *args]).model.state_dict())
     return states
 
@@ -183,7 +190,7 @@ def test_real_smollm2_gguf_takes_a_private_step_on_real_sst2(policy: str, shared
         "--trainer.accelerator", "cpu",
         "--trainer.precision", "32-true",
         "--trainer.enable_progress_bar", "false",
-        "--trainer.fast_dev_run", "1",
+        *steps(1),
         "--data.max_train_examples", "64",
         "--data.max_eval_examples", "4",
         "--data.batch_size", "4",
@@ -223,7 +230,7 @@ def test_quickstart_learns_the_synthetic_task_within_its_budget(tmp_path: Path) 
     ids=["bf16-autocast", "frozen-embeddings", "tied-linear-head"],
 )
 def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_path: Path) -> None:
-    cli = run_cli(["fit", *quickstart_args(tmp_path, "--trainer.fast_dev_run", "2", *override)])
+    cli = run_cli(["fit", *quickstart_args(tmp_path, *steps(2), *override)])
     assert cli.trainer.strategy.accountant.steps == 2
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 

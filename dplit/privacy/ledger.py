@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +41,32 @@ def _strict(value: Any) -> Any:
     return value
 
 
+def ledger_folders(checkpoint: Path, log_dir: str | None) -> list[Path]:
+    """The version folders whose ledgers may belong to the run of ``checkpoint``: its own and their siblings."""
+    roots = [checkpoint.resolve().parent.parent.parent]  # root/version_N/checkpoints/x.ckpt → root
+    if log_dir is not None:
+        roots.append(Path(log_dir).resolve().parent)
+    folders = {folder for root in roots if root.is_dir() for folder in root.iterdir() if folder.is_dir()}
+    return sorted(folders)
+
+
 class RunLedger:
-    """One run's privacy ledger: its accountant, the state a resumed checkpoint brought, and its JSON file."""
+    """One run's privacy ledger: its accountant, the state a resumed checkpoint brought, and its JSON file.
+
+    A run keeps one random ``run_id`` from its fresh start through every resume, so that the ledger files of
+    its version folders can be told apart from other runs' (no value in it comes from the data).
+    """
 
     def __init__(self) -> None:
         self.accountant: PrivacyAccountant | None = None
+        self.run_id = secrets.token_hex(8)
         self._restored: dict[str, Any] | None = None
         self._directory: str | None = None
 
     def restore(self, state: dict[str, Any]) -> None:
         """Keep a checkpoint's ledger state, continued by :meth:`open`."""
         self._restored = state
+        self.run_id = state.get("run_id", self.run_id)
 
     @property
     def restored_noise_multiplier(self) -> float | None:
@@ -75,9 +92,41 @@ class RunLedger:
     def state(self, facts: dict[str, Any]) -> dict[str, Any]:
         """What checkpoints keep: the accountant's history and the run's privacy ``facts`` (σ, C, q, N, ...)."""
         assert self.accountant is not None
-        return {"accountant": self.accountant.state_dict(), **facts}
+        return {"run_id": self.run_id, "accountant": self.accountant.state_dict(), **facts}
+
+    def adopt_newest_record(self, folders: Iterable[Path]) -> str | None:
+        """Continue from this run's newest ``privacy_ledger.json`` in ``folders`` if it counts more steps.
+
+        Steps taken after the resumed checkpoint (an interrupt before the next checkpoint) touched the data: the
+        model they trained is discarded, but their privacy cost stays counted. Returns what was found, or ``None``.
+        """
+        assert self.accountant is not None
+        records = [record for record in (_read_record(folder / LEDGER_FILE) for folder in folders) if record]
+        records = [(path, state) for path, state in records if state.get("run_id") == self.run_id]
+        if not records:
+            return None
+        path, state = max(records, key=lambda record: record[0].stat().st_mtime)
+        recorded = PrivacyAccountant(delta=self.accountant.delta, mechanism=state["accountant"]["mechanism"])
+        recorded.load_state_dict(state["accountant"])
+        extra = recorded.steps - self.accountant.steps
+        if extra <= 0:
+            return None
+        self.accountant.load_state_dict(state["accountant"])
+        return (
+            f"DP-SGD: the checkpoint's ledger has {recorded.steps - extra} DP steps, but this run's newest ledger "
+            f"{path} records {recorded.steps}: the model of the last {extra} steps is discarded, but those steps "
+            f"touched the data and stay counted (ε continues from {recorded.steps} steps)"
+        )
 
     def write(self, facts: dict[str, Any], *, epsilon: float) -> None:
         """Replace the ledger file with the current state and ε (no-op without a directory)."""
         if self._directory is not None:
             write_ledger(self._directory, self.state(facts), epsilon=epsilon)
+
+
+def _read_record(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """A ledger file and its content (``None`` if missing or unreadable)."""
+    try:
+        return path, json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None

@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from dplit.privacy.sampling import derive_seed
+from dplit.privacy.warnings import PrivacyWarning
 
 PREDICTABLE_WARNING = (
     "DPStrategy.seed is set: the DP noise and the Poisson batch sampling are reproducible from the config, so "
@@ -34,7 +35,7 @@ class NoiseSource:
 
     def __init__(self, *, seed: int | None = None) -> None:
         if seed is not None:
-            warnings.warn(PREDICTABLE_WARNING, UserWarning, stacklevel=3)
+            warnings.warn(PREDICTABLE_WARNING, PrivacyWarning, stacklevel=3)
         self._seed = seed
 
     @property

@@ -1,0 +1,79 @@
+"""What the ``dplit`` command shows at the terminal: privacy warnings that stand out, no noise a user cannot act on."""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+from dplit.privacy.warnings import PrivacyWarning
+
+UNACTIONABLE_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree use under new torch
+    r"Optimal order is the largest alpha",  # opacus' RDP analysis inside the PRV accountant and σ calibration
+    r"The '(train|val)_dataloader' does not have many workers",  # workers do not help tokenised in-memory data
+    r"LightningCLI's args parameter is intended",  # dplit passes its own command line on
+    # Poisson sampling draws every batch afresh, so resuming mid-epoch (an interrupt checkpoint) loses nothing:
+    r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+)
+"""Messages of dependencies' warnings that every run would print and no user setting can address."""
+
+UNACTIONABLE_INFO = (
+    re.compile(r"^💡 Tip: "),  # advertisements for Lightning's cloud products
+    re.compile(r"^Loading `train_dataloader` to estimate number of stepping batches"),
+    re.compile(r"^Initializing distributed: GLOBAL_RANK: 0, MEMBER: 1/1$"),
+    re.compile(r"All distributed processes registered\. Starting with 1 processes"),
+)
+"""Lightning's info lines that carry nothing for a single-process dplit run."""
+
+_LIGHTNING_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.distributed",
+    "lightning.pytorch.utilities.distributed",
+)
+
+
+class _DropUnactionable(logging.Filter):
+    """Drops Lightning's info lines listed in :data:`UNACTIONABLE_INFO`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage().strip()
+        return not any(pattern.search(message) for pattern in UNACTIONABLE_INFO)
+
+
+def show_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
+    line: str | None = None,
+) -> None:  # fmt: skip
+    """``warnings.showwarning`` for the terminal: a :class:`PrivacyWarning` as one ``dplit: WARNING:`` line."""
+    if issubclass(category, PrivacyWarning):
+        print(f"dplit: WARNING: {' '.join(str(message).split())}", file=file or sys.stderr)
+        return
+    _default_show_warning(message, category, filename, lineno, file, line)
+
+
+_default_show_warning = warnings.showwarning
+
+
+@contextmanager
+def terminal_output() -> Iterator[None]:
+    """While the command runs: show privacy warnings prominently, drop dependencies' unactionable noise."""
+    noise = _DropUnactionable()
+    loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
+    with warnings.catch_warnings():
+        for pattern in UNACTIONABLE_WARNINGS:
+            warnings.filterwarnings("ignore", message=pattern)
+        warnings.simplefilter("always", PrivacyWarning)
+        warnings.showwarning = show_warning
+        for logger in loggers:
+            logger.addFilter(noise)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeFilter(noise)
