@@ -21,7 +21,7 @@ from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
 from dplit.privacy.warnings import PrivacyWarning
-from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
+from dplit.strategy import DPStrategy
 from dplit.terminal import terminal_output
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
@@ -179,18 +179,19 @@ def _is_dp_strategy(strategy: Any) -> bool:
 
 
 def find_last_checkpoint(trainer: Trainer) -> Path:
-    """The newest ``last*.ckpt`` or ``interrupted.ckpt`` of this run's checkpoint folders and version folders."""
+    """The newest checkpoint (``last.ckpt``, ``interrupted.ckpt`` or any other) of this run's checkpoint folders.
+
+    Those are the ``ModelCheckpoint`` folders and the ``checkpoints/`` of every version folder beside the new one:
+    a resumed run writes a new version folder, so Lightning's own ``"last"`` would look only in an empty one.
+    """
     folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
     root = Path(getattr(trainer.logger, "root_dir", None) or trainer.default_root_dir)
     folders += [path for path in root.glob("*/checkpoints") if path.is_dir()]
-    found = [
-        path for folder in folders for path in folder.glob("*.ckpt")
-        if path.name.startswith("last") or path.name == INTERRUPT_CHECKPOINT
-    ]  # fmt: skip
+    found = [path for folder in folders for path in folder.glob("*.ckpt") if path.is_file()]
     if not found:
         raise ValueError(
-            f"--ckpt_path last: no last.ckpt or {INTERRUPT_CHECKPOINT} under {root}, so there is nothing to resume "
-            "(training would restart ε at 0): give a checkpoint file, or leave --ckpt_path unset for a new run"
+            f"--ckpt_path last: no checkpoint under {root}, so there is nothing to resume (training would restart "
+            "ε at 0): give a checkpoint file, or leave --ckpt_path unset for a new run"
         )
     return max(found, key=lambda path: path.stat().st_mtime)
 
