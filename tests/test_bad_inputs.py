@@ -1,10 +1,17 @@
-"""A catalogue of bad inputs a new user gives the CLI: each stops before the first optimizer step, naming the culprit."""
+"""A catalogue of bad inputs a new user gives the real ``dplit`` executable: each is refused in ONE line, exit 2.
+
+Every row runs ``dplit`` in a subprocess (as a user would; the rows run a few at a time) and must end with exit
+code 2, no traceback, exactly one ``dplit: error:`` line naming the culprit, and no checkpoint or ledger written.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lightning as L
@@ -12,19 +19,40 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from dplit.cli import run_cli
 from dplit.strategy import DPStrategy
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
 from tests.test_cli import CONFIGS, TINY, quickstart_args
 from tests.test_strategy import make_model
 from tests.tiny import RandomTokenData
 
-Setup = Callable[[Path, Path], list[str]]
-"""Builds one bad run's extra arguments from (a scratch folder, the tiny BPE tokenizer folder)."""
+Setup = Callable[[Path, Path, Path], list[str]]
+"""Builds one bad run's command line after ``dplit`` from (a scratch folder, the tiny BPE tokenizer, the run folder)."""
+
+PARALLEL_RUNS = 3
+"""Catalogue rows run at once (each is a fresh Python process that imports torch and Lightning)."""
 
 
 def flags(*extra: str) -> Setup:
-    return lambda scratch, tokenizer: list(extra)
+    """``dplit fit`` on the quickstart config, plus ``extra``."""
+    return lambda scratch, tokenizer, run: ["fit", *quickstart_args(run), *extra]
+
+
+def lm_flags(*extra: str) -> Setup:
+    """``dplit lm fit`` on the LM quickstart config, plus ``extra``."""
+    return lambda scratch, tokenizer, run: ["lm", "fit", *lm_args(run), *extra]
+
+
+def lm_args(run: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(CONFIGS / "lm_quickstart.yaml"), "--trainer.default_root_dir", str(run),
+        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", "200", "--data.builtin_val_size", "20",
+        "--data.batch_size", "20", *extra,
+    ]  # fmt: skip
+
+
+def with_files(setup: Callable[[Path, Path], list[str]]) -> Setup:
+    """A classifier row whose extra flags need files written into the scratch folder."""
+    return lambda scratch, tokenizer, run: ["fit", *quickstart_args(run), *setup(scratch, tokenizer)]
 
 
 def text_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
@@ -37,12 +65,15 @@ def random_bytes_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     return ["--ckpt_path", str(scratch / "noise.ckpt")]
 
 
-def sst2_files(train: str | None, dev: str) -> Setup:
+def sst2_files(train: str | bytes | None, dev: str) -> Callable[[Path, Path], list[str]]:
     """SST-2 run on a tiny random GPT-2 with the given train.tsv / dev.tsv contents (None: a 0-byte train.tsv)."""
 
     def setup(scratch: Path, tokenizer: Path) -> list[str]:
         folder = write_glue_task(scratch / "sst2", SST2_HEADER, SST2_ROWS * 4)
-        (folder / "train.tsv").write_text(train or "")
+        if isinstance(train, bytes):
+            (folder / "train.tsv").write_bytes(train)
+        else:
+            (folder / "train.tsv").write_text(train or "")
         (folder / "dev.tsv").write_text(dev)
         return [
             "--config", str(CONFIGS / "sst2_untied.yaml"),
@@ -67,18 +98,18 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
         flags("--trainer.strategy", "auto", "--non_private", "true", "--trainer.max_epochs", "-1", "--trainer.max_steps", "-1"),
         r"model.lr_schedule='linear' .* trainer.max_epochs and trainer.max_steps are both -1",
     ),
-    ("text-file-as-checkpoint", text_checkpoint, r"--ckpt_path .*notes.ckpt: not a checkpoint"),
-    ("random-bytes-as-checkpoint", random_bytes_checkpoint, r"--ckpt_path .*noise.ckpt: not a checkpoint"),
+    ("text-file-as-checkpoint", with_files(text_checkpoint), r"--ckpt_path .*notes.ckpt: not a checkpoint"),
+    ("random-bytes-as-checkpoint", with_files(random_bytes_checkpoint), r"--ckpt_path .*noise.ckpt: not a checkpoint"),
     ("missing-checkpoint", flags("--ckpt_path", "/nonexistent/last.ckpt"), r"--ckpt_path /nonexistent/last.ckpt: no such"),
     (
         "missing-pretrained-folder",
         flags("--model.config", "null", "--model.pretrained", "/nonexistent/model"),
         r"model.pretrained='/nonexistent/model': the folder does not exist",
     ),
-    ("empty-tsv", sst2_files(None, GOOD_TSV), r"train.tsv: the file is empty"),
-    ("header-only-tsv", sst2_files(SST2_HEADER + "\n", GOOD_TSV), r"train.tsv"),
-    ("label-outside-set", sst2_files(GOOD_TSV + "so so . \t2\n", GOOD_TSV), r"train.tsv, line 5: label '2'"),
-    ("missing-column", sst2_files("text\tlabel\nfine . \t1\n", GOOD_TSV), r"train.tsv.*sentence"),
+    ("empty-tsv", with_files(sst2_files(None, GOOD_TSV)), r"train.tsv: the file is empty"),
+    ("header-only-tsv", with_files(sst2_files(SST2_HEADER + "\n", GOOD_TSV)), r"train.tsv"),
+    ("label-outside-set", with_files(sst2_files(GOOD_TSV + "so so . \t2\n", GOOD_TSV)), r"train.tsv, line 5: label '2'"),
+    ("missing-column", with_files(sst2_files("text\tlabel\nfine . \t1\n", GOOD_TSV)), r"train.tsv.*sentence"),
     ("infinite-target-epsilon", flags("--trainer.strategy.init_args.target_epsilon", "inf"), r"target_epsilon='inf': must be a finite number > 0"),
     ("yaml-infinite-target-epsilon", flags("--trainer.strategy.init_args.target_epsilon", ".inf"), r"target_epsilon must be a finite number > 0, got inf"),
     ("nan-max-grad-norm", flags("--trainer.strategy.init_args.max_grad_norm", "nan"), r"max_grad_norm='nan': must be a finite number > 0"),
@@ -90,25 +121,54 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("accumulation-beside-dp", flags("--trainer.accumulate_grad_batches", "2"), r"trainer.accumulate_grad_batches must be 1"),
     (
         "multi-token-label-word",
-        lambda scratch, tokenizer: [*sst2_files(GOOD_TSV, GOOD_TSV)(scratch, tokenizer), "--data.label_words", '{"0": " magnificent", "1": " great"}'],
+        with_files(lambda scratch, tokenizer: [*sst2_files(GOOD_TSV, GOOD_TSV)(scratch, tokenizer), "--data.label_words", '{"0": " magnificent", "1": " great"}']),
         r"data.label_words: the word ' magnificent' for label '0' must be exactly one token",
     ),
+    # DP is never dropped or weakened silently
+    ("strategy-auto-on-a-dp-config", flags("--trainer.strategy", "auto"), r"trainer.strategy='auto' trains WITHOUT differential privacy.*--non_private true"),
+    ("strategy-ddp-on-a-dp-config", flags("--trainer.strategy", "ddp"), r"trainer.strategy='ddp' trains WITHOUT differential privacy"),
+    ("non-private-beside-dp", flags("--non_private", "true"), r"--non_private true contradicts trainer.strategy=DPStrategy"),
+    ("fast-dev-run-beside-dp", flags("--trainer.fast_dev_run", "1"), r"trainer.fast_dev_run is refused with DPStrategy"),
+    ("fp16-weights", flags("--trainer.precision", "16-true"), r"trainer.precision='16-true' is not supported with DPStrategy"),
+    ("delta-above-one-over-n", flags("--trainer.strategy.init_args.target_delta", "0.1"), r"target_delta=0.1 is ≥ 1/N .*allow_large_delta"),
+    ("ckpt-path-last-without-checkpoint", flags("--ckpt_path", "last"), r"--ckpt_path last: no checkpoint under .* nothing to resume"),
+    ("predict-subcommand", lambda scratch, tokenizer, run: ["predict", *quickstart_args(run)], r"invalid choice: 'predict'"),
+    ("lm-test-subcommand", lambda scratch, tokenizer, run: ["lm", "test", *lm_args(run)], r"invalid choice: 'test'"),
+    ("lm-fast-dev-run", lm_flags("--trainer.fast_dev_run", "1"), r"trainer.fast_dev_run is refused with DPStrategy"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("setup", "message"), [row[1:] for row in CATALOGUE], ids=[row[0] for row in CATALOGUE])
-def test_bad_input_stops_before_the_first_step_naming_it(
-    setup: Setup, message: str, tmp_path: Path, tiny_bpe_dir: Path, capsys: pytest.CaptureFixture
+def _dplit() -> str:
+    executable = Path(sys.executable).with_name("dplit")
+    return str(executable) if executable.exists() else "dplit"
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_bpe_dir: Path) -> dict[str, tuple[int, str, Path]]:
+    """Every catalogue row run through the real executable: id → (exit code, stdout + stderr, run folder)."""
+
+    def run(row: tuple[str, Setup, str]) -> tuple[str, tuple[int, str, Path]]:
+        name, setup, _ = row
+        folder = tmp_path_factory.mktemp(name)
+        (folder / "scratch").mkdir()
+        command = [_dplit(), *setup(folder / "scratch", tiny_bpe_dir, folder / "run")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, check=False)
+        return name, (result.returncode, result.stdout + result.stderr, folder / "run")
+
+    with ThreadPoolExecutor(PARALLEL_RUNS) as pool:
+        return dict(pool.map(run, CATALOGUE))
+
+
+@pytest.mark.parametrize(("name", "message"), [(row[0], row[2]) for row in CATALOGUE], ids=[row[0] for row in CATALOGUE])
+def test_bad_input_is_refused_in_one_line_before_the_first_step(
+    name: str, message: str, outcomes: dict[str, tuple[int, str, Path]]
 ) -> None:
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    args = ["fit", *quickstart_args(tmp_path / "run"), *setup(scratch, tiny_bpe_dir)]
-    with pytest.raises((ValueError, FileNotFoundError, SystemExit)) as caught:
-        run_cli(args)
-    said = capsys.readouterr().err if caught.type is SystemExit else str(caught.value)
-    first_line = said.removeprefix("dplit: error: ").strip()
-    assert re.search(message, first_line), said
-    assert not list((tmp_path / "run").rglob("privacy_ledger.json")) and not list((tmp_path / "run").rglob("*.ckpt"))
+    code, output, run = outcomes[name]
+    errors = [line for line in output.splitlines() if line.startswith("dplit: error:")]
+    assert code == 2 and "Traceback" not in output, output
+    assert len(errors) == 1 and output.rstrip().endswith(errors[0]), output
+    assert re.search(message, errors[0].removeprefix("dplit: error: ")), errors[0]
+    assert not list(run.rglob("privacy_ledger.json")) and not list(run.rglob("*.ckpt"))
 
 
 def test_16_bit_loss_scaling_is_refused_where_a_grad_scaler_exists(tmp_path: Path) -> None:
