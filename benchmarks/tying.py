@@ -9,7 +9,7 @@ Arms, all with the same hyperparameters (lr, expected batch, epochs, max_length,
 DP arms, the same privacy budget:
 
 * ``zero_shot``: the pretrained model, no training, validation only (``dplit validate``).
-* ``non_private``: the same module trained without ``DPStrategy`` (``--trainer.strategy auto``).
+* ``non_private``: the same module trained without ``DPStrategy`` (``--trainer.strategy auto --non_private true``).
 * ``dp_tied`` / ``dp_untied``: ``DPStrategy`` with ghost clipping and ``target_epsilon`` = ε, from
   ``configs/smollm2_sst2_tied.yaml`` (``TiedEmbeddings``, SmolLM2's own tying) and
   ``configs/smollm2_sst2_untied.yaml`` (``UntiedEmbeddings(init="copy")``), for every ε and seed.
@@ -403,7 +403,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     if sources.get("max_eval_examples") is not None:  # else the sorted dev copy holds exactly the rows to validate on
         command += ["--data.max_eval_examples", str(sources["max_eval_examples"])]
     if arm in ("zero_shot", "non_private"):
-        command += ["--trainer.strategy", "auto"]
+        command += ["--trainer.strategy", "auto", "--non_private", "true"]
     else:
         prefix = "--trainer.strategy.init_args."
         command += [prefix + "target_epsilon", repr(float(run["epsilon"])), prefix + "max_grad_norm",
