@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from huggingface_hub.errors import StrictDataclassError
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 DROPOUT_SETTINGS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
 """Config keys that hold a dropout probability in the causal LM families dplit trains (GPT-2, Llama, Qwen2, ...)."""
 
 DEFAULT_MODEL_TYPE = "gpt2"
 """The family of a ``model.config`` that names no ``model_type`` (the configs written before other families)."""
+
+COMMON_FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
+"""The families an unknown ``model_type`` message lists (the ones dplit's tests train)."""
 
 
 def build_causal_lm(
@@ -40,6 +48,8 @@ def build_causal_lm(
     """
     if (pretrained is None) == (config is None):
         raise ValueError("set exactly one of model.pretrained (hub name or folder) and model.config (a model config)")
+    if dropout is not None:
+        check_probability("model.dropout", dropout)
     if pretrained is None:
         if gguf_file is not None:
             raise ValueError("model.gguf_file needs model.pretrained: the folder holding the GGUF file")
@@ -54,20 +64,112 @@ def build_causal_lm(
 def _random_model(
     settings: dict[str, Any], vocab_size: int | None, dropout: float | None, attn_implementation: str
 ) -> PreTrainedModel:
-    model_type = settings.pop("model_type", DEFAULT_MODEL_TYPE)
-    if vocab_size is not None:
-        settings["vocab_size"] = vocab_size
-    try:
-        config = AutoConfig.for_model(model_type, **settings)
-    except ValueError as error:
-        raise ValueError(f"model.config: unknown model_type {model_type!r} ({error})") from error
-    last_token = config.vocab_size - 1  # keep special ids inside a tiny vocabulary
-    for key in ("bos_token_id", "eos_token_id"):
-        if key not in settings:
-            setattr(config, key, min(getattr(config, key, None) or last_token, last_token))
+    config = _random_config(settings, vocab_size)
     _set_dropout(config, dropout)
     config._attn_implementation = attn_implementation
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    try:
+        return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    except ValueError as error:  # e.g. a width the number of heads does not divide
+        raise ValueError(f"model.config: {' '.join(str(error).split())}") from error
+
+
+def _random_config(settings: dict[str, Any], vocab_size: int | None) -> PretrainedConfig:
+    """The family's config built from ``model.config``, whose every key and dropout probability is checked."""
+    model_type = settings.pop("model_type", DEFAULT_MODEL_TYPE)
+    defaults = _default_config(model_type)
+    given = dict(settings)
+    if vocab_size is not None:
+        settings["vocab_size"] = vocab_size
+    settings.update(_special_token_ids(defaults, settings))
+    try:
+        config = AutoConfig.for_model(model_type, **settings)
+    except (StrictDataclassError, ValueError, TypeError) as error:
+        raise ValueError(_config_error(error, given)) from error
+    _check_known_keys(set(given), config, defaults)
+    for key in DROPOUT_SETTINGS:
+        if key in given:
+            check_probability(f"model.config.{key}", given[key])
+    return config
+
+
+def _default_config(model_type: str) -> PretrainedConfig:
+    """A default instance of the family's config class, refusing a ``model_type`` with no causal LM."""
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return CONFIG_MAPPING[model_type]()
+    common = f"common families: {', '.join(COMMON_FAMILIES)}"
+    if model_type in CONFIG_MAPPING:
+        raise ValueError(f"model.config: model_type {model_type!r} has no causal LM in transformers ({common})")
+    close = difflib.get_close_matches(str(model_type).lower(), list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), n=3)
+    hint = f"did you mean {_one_of(close)}? " if close else ""
+    raise ValueError(f"model.config: unknown model_type {model_type!r} ({hint}{common})")
+
+
+def _config_error(error: Exception, given: dict[str, Any]) -> str:
+    """transformers' (multi-line) validation error of a config as one line naming the ``model.config`` key."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    detail = re.sub(r"^\w+Error: ", "", lines[-1]).split(" Errors:")[0].rstrip(".")
+    detail = re.sub(r"<class '(\w+)'>", r"\1", detail)
+    field = re.search(r"field '([^']+)'", lines[0])
+    if field is None or field[1] not in given:
+        return f"model.config: {detail}"
+    key = field[1]
+    detail = re.sub(rf"^Field '{re.escape(key)}' (with value .*? )?", "", detail)
+    return f"model.config.{key}={given[key]!r}: {detail}"
+
+
+def _one_of(names: list[str]) -> str:
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _special_token_ids(defaults: PretrainedConfig, settings: dict[str, Any]) -> dict[str, Any]:
+    """The family's BOS/EOS ids moved inside a (tiny) vocabulary, for the ids ``settings`` leaves unset.
+
+    They go into the config's keyword arguments, so that transformers never sees an id outside the vocabulary
+    (it warns on construction).
+    """
+    last_token = settings.get("vocab_size", defaults.vocab_size) - 1
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = getattr(defaults, key, None)
+        if key not in settings and hasattr(defaults, key) and (value is None or isinstance(value, int)):
+            ids[key] = min(value or last_token, last_token)
+    return ids
+
+
+def _check_known_keys(given: set[str], config: PretrainedConfig, defaults: PretrainedConfig) -> None:
+    """Refuse the keys of ``model.config`` that transformers merely stored as attributes its family never reads.
+
+    A config class accepts any keyword: a key that is neither one of its fields, an ``attribute_map`` alias
+    (``num_hidden_layers`` for GPT-2's ``n_layer``) nor a keyword it consumes (``rope_theta``, ``num_labels``)
+    ends up as a new attribute, which is how a typo such as ``n_layers`` would silently train the default depth.
+    """
+    stored = set(config.to_dict()) - set(defaults.to_dict())
+    unknown = sorted(given & stored)
+    if not unknown:
+        return
+    known = [key for key in (*defaults.to_dict(), *type(defaults).attribute_map) if not key.startswith("_")]
+    family = f"model_type {defaults.model_type!r}"
+    if len(unknown) == 1:
+        raise ValueError(f"model.config: unknown key {unknown[0]!r} for {family}{_did_you_mean(unknown[0], known)}")
+    parts = [f"{key!r}{_did_you_mean(key, known)}" for key in unknown]
+    raise ValueError(f"model.config: unknown keys for {family}: {', '.join(parts)}")
+
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    if key in DROPOUT_SETTINGS:
+        return " (did you mean model.dropout, which sets every dropout probability?)"
+    return ""
+
+
+def check_probability(flag: str, value: object) -> None:
+    """Refuse a dropout probability outside [0, 1] (or not a number), naming ``flag``."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not (math.isfinite(value) and 0.0 <= value <= 1.0):  # type: ignore[arg-type]
+        raise ValueError(f"{flag}={value!r}: must be a probability in [0, 1]")
 
 
 def _pretrained_model(

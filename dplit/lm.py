@@ -33,14 +33,16 @@ class CausalLanguageModel(CausalLMModule):
         vocab_size: tokenizer size (linked from the data).
         max_length: longest example in tokens (linked from the data), checked against the position limit.
         loss_reduction: per-example ``"sum"`` or ``"mean"`` of the token losses (changes what C means).
-        sample_prompts: prompts whose greedy continuations are logged as text every validation.
-        sample_tokens: tokens generated per sample.
-        dropout: overrides the backbone's dropout probabilities (``None`` keeps the checkpoint's).
-        freeze: parameter-name prefixes to freeze.
-        attn_implementation: ``"eager"`` or ``"sdpa"``.
-        lr: AdamW peak learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
+        sample_prompts: prompts whose greedy continuations are logged as text every validation (``None``: two
+            movie-review prompts; ``[]``: no samples). Each must be a non-empty string whose tokens, with
+            ``sample_tokens`` more, fit the backbone's position limit (checked once the tokenizer is known).
+        sample_tokens: tokens generated per sample (≥ 1).
+        dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
+        freeze: parameter-name prefixes to freeze (some parameter must stay trainable).
+        attn_implementation: ``"eager"`` or ``"sdpa"`` (not with ``clipping="per_example"``).
+        lr: AdamW peak learning rate (finite, > 0).
+        weight_decay: AdamW weight decay (≥ 0).
+        betas: AdamW betas (each in [0, 1)).
         warmup_steps: optimizer steps of linear warm-up.
         lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
     """
@@ -68,6 +70,7 @@ class CausalLanguageModel(CausalLMModule):
         super().__init__()
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"model.loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
+        _check_samples(sample_prompts, sample_tokens)
         self.save_hyperparameters(ignore=["embeddings"])
         self.build_backbone(
             embeddings=embeddings,
@@ -83,6 +86,13 @@ class CausalLanguageModel(CausalLMModule):
         self._sample_prompts = list(DEFAULT_SAMPLE_PROMPTS if sample_prompts is None else sample_prompts)
         self._val_loss_sum = 0.0
         self._val_tokens = 0
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Refuse, before any step, a sample prompt the data's tokenizer encodes too short or too long."""
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self.trainer.datamodule else None
+        if tokenizer is not None:
+            _check_prompt_lengths(self._sample_prompts, tokenizer, self.hparams.sample_tokens, self.max_positions)
 
     def token_losses(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1]."""
@@ -153,3 +163,26 @@ class CausalLanguageModel(CausalLMModule):
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 text = "\n\n".join(f"**{p}** → {s}" for p, s in zip(self._sample_prompts, samples))
                 logger.experiment.add_text("samples/greedy", text, global_step=self.global_step)
+
+
+def _check_samples(sample_prompts: list[str] | None, sample_tokens: int) -> None:
+    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 1:
+        raise ValueError(f"model.sample_tokens={sample_tokens!r}: must be an integer ≥ 1 (tokens generated per sample)")
+    for index, prompt in enumerate(sample_prompts or []):
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(
+                f"model.sample_prompts[{index}]={prompt!r}: each prompt must be a non-empty string "
+                "(null: the default prompts; []: no samples)"
+            )
+
+
+def _check_prompt_lengths(prompts: list[str], tokenizer: Any, sample_tokens: int, limit: int | None) -> None:
+    for index, prompt in enumerate(prompts):
+        length = len(tokenizer.encode(prompt))
+        if length == 0:
+            raise ValueError(f"model.sample_prompts[{index}]={prompt!r}: the tokenizer encodes it to no tokens")
+        if limit is not None and length + sample_tokens > limit:
+            raise ValueError(
+                f"model.sample_prompts[{index}] is {length} tokens: with model.sample_tokens={sample_tokens} "
+                f"that passes the model's position limit of {limit} tokens"
+            )

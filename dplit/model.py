@@ -23,7 +23,8 @@ class CausalLMClassifier(CausalLMModule):
         gguf_file: a GGUF checkpoint file inside the ``pretrained`` folder (needs the ``gguf`` package).
         config: keyword arguments of a model config for a randomly initialised backbone (tests, quickstart),
             with its ``model_type`` (``"gpt2"`` when absent, e.g. ``{model_type: llama, hidden_size: 32, ...}``).
-            Set exactly one of ``pretrained`` and ``config``.
+            Set exactly one of ``pretrained`` and ``config``. A key the family's config class does not know
+            (a typo such as GPT-2's ``n_layers``) is refused with the closest known key.
         embeddings: the :class:`~dplit.embeddings.EmbeddingPolicy` (default: untied, copied from the input embedding).
         head: ``"label_words"`` scores the task's label-word logits of the LM head; ``"linear"`` adds a
             d×K score layer (the LM head is then unused and, when untied, frozen).
@@ -33,13 +34,14 @@ class CausalLMClassifier(CausalLMModule):
         task: task name; QQP also reports F1.
         max_length: the longest sequence the data will feed (linked from ``data.max_length``); refused when
             above the backbone's position limit (``max_position_embeddings`` / GPT-2's ``n_positions``).
-        dropout: overrides the backbone's dropout probabilities (``None`` keeps the checkpoint's).
-        freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``.
+        dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
+        freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``; each must match a
+            parameter, and some parameter must stay trainable.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
             engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
-        lr: AdamW peak learning rate.
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
+        lr: AdamW peak learning rate (finite, > 0).
+        weight_decay: AdamW weight decay (≥ 0).
+        betas: AdamW betas (each in [0, 1)).
         warmup_steps: optimizer steps of linear warm-up before the linear decay to zero.
         lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
     """
@@ -84,9 +86,11 @@ class CausalLMClassifier(CausalLMModule):
             raise ValueError("model.num_classes (or model.label_word_ids) must give at least two classes")
         self.register_buffer("label_word_ids", torch.tensor(label_word_ids or [], dtype=torch.long), persistent=False)
         self.score = nn.Linear(inputs.weight.shape[1], classes, bias=False) if head == "linear" else None
+        head_froze = None
         if head == "linear" and outputs.weight is not inputs.weight:
             outputs.requires_grad_(False)
-        self.freeze_prefixes(freeze or [])
+            head_froze = "model.head='linear' (which freezes the unused untied LM head)"
+        self.freeze_prefixes(freeze or [], also_frozen_by=head_froze)
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
 

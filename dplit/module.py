@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +38,13 @@ class CausalLMModule(LightningModule):
         dropout: float | None,
         attn_implementation: str,
     ) -> None:
-        """Build ``self.backbone`` (see :func:`dplit.backbone.build_causal_lm`) and apply the embedding policy."""
+        """Check the optimizer settings, build ``self.backbone`` and apply the embedding policy.
+
+        The backbone comes from :func:`dplit.backbone.build_causal_lm`; the optimizer settings are the saved
+        hyperparameters, refused here (see :func:`check_optimizer_settings`) rather than at the first step.
+        """
+        hp = self.hparams
+        check_optimizer_settings(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.lr_schedule)
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         self.backbone = build_causal_lm(
             pretrained=pretrained,
@@ -54,16 +62,28 @@ class CausalLMModule(LightningModule):
         """The longest sequence the backbone's position embedding or rotary setting allows (``None``: no limit known)."""
         return getattr(self.backbone.config, "max_position_embeddings", None)
 
-    def freeze_prefixes(self, prefixes: list[str]) -> None:
-        """Freeze every parameter whose name starts with one of ``prefixes`` (each must match something)."""
+    def freeze_prefixes(self, prefixes: list[str], *, also_frozen_by: str | None = None) -> None:
+        """Freeze every parameter whose name starts with one of ``prefixes`` (each must match something).
+
+        Args:
+            prefixes: parameter-name prefixes (``model.freeze``).
+            also_frozen_by: the other setting that froze parameters (named when nothing is left to train).
+
+        Raises:
+            ValueError: for a prefix that matches no parameter name (with the closest name), or when no
+                trainable parameter is left.
+        """
         names = [name for name, _ in self.named_parameters()]
         for prefix in prefixes:
             matched = [n for n in names if n.startswith(prefix)]
             if not matched:
-                raise ValueError(f"model.freeze: no parameter name starts with {prefix!r}")
+                hint = _closest_prefix(prefix, names)
+                raise ValueError(f"model.freeze: no parameter name starts with {prefix!r}{hint}")
             for name, param in self.named_parameters():
                 if name in matched:
                     param.requires_grad_(False)
+        if not any(p.requires_grad for p in self.parameters()):
+            raise ValueError(nothing_to_train(prefixes, also_frozen_by))
 
     @override
     def on_fit_start(self) -> None:
@@ -76,6 +96,8 @@ class CausalLMModule(LightningModule):
         """AdamW with linear warm-up and (by default) linear decay to zero over the planned steps."""
         params = [p for p in self.parameters() if p.requires_grad]
         hp = self.hparams
+        if not params:
+            raise ValueError(nothing_to_train(hp.get("freeze") or [], None))
         optimizer = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas))
         planned = self.trainer.estimated_stepping_batches
         if not math.isfinite(planned) and hp.lr_schedule == "linear":
@@ -108,3 +130,42 @@ def _check_max_length(max_length: int | None, limit: int | None) -> None:
             f"data.max_length={max_length} exceeds the model's position limit of {limit} tokens "
             "(max_position_embeddings / n_positions): lower data.max_length"
         )
+
+
+def check_optimizer_settings(
+    lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int, lr_schedule: str
+) -> None:
+    """Refuse AdamW and schedule settings torch would only reject in ``configure_optimizers`` (or never)."""
+    if not _finite_number(lr) or lr <= 0:
+        raise ValueError(f"model.lr={lr!r}: must be a finite number > 0")
+    if not _finite_number(weight_decay) or weight_decay < 0:
+        raise ValueError(f"model.weight_decay={weight_decay!r}: must be a finite number ≥ 0")
+    if len(betas) != 2 or not all(_finite_number(beta) and 0 <= beta < 1 for beta in betas):
+        raise ValueError(f"model.betas={list(betas)!r}: must be two numbers in [0, 1)")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"model.warmup_steps={warmup_steps!r}: must be an integer ≥ 0")
+    if lr_schedule not in ("linear", "constant"):
+        raise ValueError(f"model.lr_schedule={lr_schedule!r}: must be 'linear' or 'constant'")
+
+
+def nothing_to_train(prefixes: list[str], also_frozen_by: str | None) -> str:
+    """The message for a model whose every parameter is frozen, naming the settings that froze them."""
+    causes = [f"model.freeze={list(prefixes)!r}"] if prefixes else []
+    causes += [also_frozen_by] if also_frozen_by else []
+    return f"{' and '.join(causes) or 'the model settings'} froze every parameter: nothing to train"
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _closest_prefix(prefix: str, names: list[str]) -> str:
+    """`` (did you mean 'X'?)`` for the nearest module path of a parameter, or the top-level paths."""
+    paths = sorted({".".join(name.split(".")[:depth]) for name in names for depth in range(1, name.count(".") + 2)})
+    if any(path.startswith(f"backbone.{prefix}") for path in paths):
+        return f" (did you mean 'backbone.{prefix}'?)"
+    close = difflib.get_close_matches(prefix, paths, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    tops = sorted({".".join(name.split(".")[:2]) for name in names})
+    return f" (parameter names start with {', '.join(repr(top) for top in tops)})"

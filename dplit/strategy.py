@@ -222,7 +222,7 @@ class DPStrategy(DDPStrategy):
             self._log_privacy(self._ledger.accountant.epsilon(), log=False)
         self._next_epsilon = self._epsilon_after(1)
         if self.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
-            self._stop(self._next_epsilon)
+            self._stop(self._next_epsilon, steps_done=trainer.global_step)
 
     def _open_ledger(self, delta: float, planned: float, log_dir: str | None) -> None:
         """Open the ledger, continuing this run's newest ledger file if it counted steps the checkpoint missed."""
@@ -323,7 +323,7 @@ class DPStrategy(DDPStrategy):
         self._log_privacy(epsilon)
         self._next_epsilon = following
         if stop:
-            self._stop(following)
+            self._stop(following, steps_done=self.lightning_module.trainer.global_step + 1)
 
     def _epsilon_after(self, steps: int) -> float:
         """ε after ``steps`` more steps at this run's (σ, q)."""
@@ -334,9 +334,15 @@ class DPStrategy(DDPStrategy):
     def _exceeds(self, epsilon: float | None) -> bool:
         return self._target_epsilon is not None and epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
 
-    def _stop(self, next_epsilon: float | None) -> None:
-        """Stop before a step that would spend more than ``target_epsilon``: a refused step is never taken."""
-        self.lightning_module.trainer.should_stop = True
+    def _stop(self, next_epsilon: float | None, *, steps_done: int) -> None:
+        """Stop before a step that would spend more than ``target_epsilon``: a refused step is never taken.
+
+        Says so unless the plan ends here anyway (``steps_done``: the trainer's steps once this one is counted).
+        """
+        trainer = self.lightning_module.trainer
+        trainer.should_stop = True
+        if steps_done >= trainer.estimated_stepping_batches:
+            return
         assert self._ledger.accountant is not None
         rank_zero_warn(
             f"DP-SGD: privacy budget spent: ε={self._ledger.accountant.epsilon():.4f} of "

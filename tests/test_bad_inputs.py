@@ -135,6 +135,17 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("predict-subcommand", lambda scratch, tokenizer, run: ["predict", *quickstart_args(run)], r"invalid choice: 'predict'"),
     ("lm-test-subcommand", lambda scratch, tokenizer, run: ["lm", "test", *lm_args(run)], r"invalid choice: 'test'"),
     ("lm-fast-dev-run", lm_flags("--trainer.fast_dev_run", "1"), r"trainer.fast_dev_run is refused with DPStrategy"),
+    # the model, checked before the first private step
+    ("config-key-typo", flags("--model.config", '{"n_layers": 2, "n_embd": 64, "n_head": 4, "n_positions": 64}'), r"^model\.config: unknown key 'n_layers' for model_type 'gpt2' \(did you mean 'n_layer'\?\)$"),
+    ("unknown-model-type", flags("--model.config", '{"model_type": "lama", "hidden_size": 16}'), r"^model\.config: unknown model_type 'lama' \(did you mean 'llama'.{0,80}common families: gpt2, llama"),
+    ("dropout-above-one", flags("--model.dropout", "1.5"), r"^model\.dropout=1\.5: must be a probability in \[0, 1\]$"),
+    ("config-dropout-negative", flags("--model.config", '{"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": -0.1}'), r"^model\.config\.resid_pdrop=-0\.1: must be a probability in \[0, 1\]$"),
+    ("negative-learning-rate", flags("--model.lr", "-0.001"), r"^model\.lr=-0\.001: must be a finite number > 0$"),
+    ("everything-frozen", flags("--model.freeze", '["backbone"]'), r"^model\.freeze=\['backbone'\] froze every parameter: nothing to train$"),
+    ("freeze-prefix-typo", flags("--model.freeze", '["backbone.transfomer.wpe"]'), r"^model\.freeze: no parameter name starts with 'backbone\.transfomer\.wpe' \(did you mean 'backbone\.transformer\.wpe'\?\)$"),
+    ("per-example-with-sdpa", flags("--trainer.strategy.init_args.clipping", "per_example", "--model.attn_implementation", "sdpa"), r"^DPStrategy\.clipping=per_example cannot run model\.attn_implementation='sdpa'"),
+    ("lm-no-sample-tokens", lm_flags("--model.sample_tokens", "0"), r"^model\.sample_tokens=0: must be an integer ≥ 1"),
+    ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
 ]  # fmt: skip
 
 

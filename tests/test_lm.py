@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pytest
@@ -86,6 +87,46 @@ def test_prompt_tokens_and_padding_carry_no_loss() -> None:
     assert (losses[trained == 0] == 0).all()
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sample_tokens": 0}, r"^model.sample_tokens=0: must be an integer ≥ 1 \(tokens generated per sample\)$"),
+        ({"sample_tokens": -3}, r"^model.sample_tokens=-3: must be an integer ≥ 1"),
+        ({"sample_prompts": ["the movie", ""]}, r"^model.sample_prompts\[1\]='': each prompt must be a non-empty string \(null: the default prompts; \[\]: no samples\)$"),
+    ],
+    ids=["zero-tokens", "negative-tokens", "empty-prompt"],
+)  # fmt: skip
+def test_sample_settings_are_refused_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CausalLanguageModel(config=TINY_GPT2, vocab_size=VOCAB, **kwargs)
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word (so a blank prompt has none)."""
+
+    def encode(self, text: str) -> list[int]:
+        return [1] * len(text.split())
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        (["fine", "   "], r"^model.sample_prompts\[1\]='   ': the tokenizer encodes it to no tokens$"),
+        (["word " * 60], r"^model.sample_prompts\[0\] is 60 tokens: with model.sample_tokens=5 that passes the model's position limit of 64 tokens$"),
+    ],
+    ids=["no-tokens", "too-long"],
+)  # fmt: skip
+def test_sample_prompts_are_checked_against_the_tokenizer_at_setup(prompts: list[str], message: str) -> None:
+    trainer = SimpleNamespace(datamodule=SimpleNamespace(tokenizer=WordTokenizer()))  # all that setup reads
+    model = CausalLanguageModel(config=TINY_GPT2, vocab_size=VOCAB, sample_prompts=prompts, sample_tokens=5)
+    model._trainer = trainer
+    with pytest.raises(ValueError, match=message):
+        model.setup("fit")
+    model = CausalLanguageModel(config=TINY_GPT2, vocab_size=VOCAB, sample_prompts=[])  # []: no samples
+    model._trainer = trainer
+    model.setup("fit")
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -150,7 +191,8 @@ def lm_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 def test_lm_quickstart_takes_a_private_step_and_logs_samples(tmp_path: Path) -> None:
-    cli = run_lm_cli(["fit", *lm_args(tmp_path, "--trainer.fast_dev_run", "1")])
+    one_step = ("--trainer.max_steps", "1", "--trainer.limit_val_batches", "1", "--trainer.val_check_interval", "1")
+    cli = run_lm_cli(["fit", *lm_args(tmp_path, *one_step)])
     assert isinstance(cli.trainer.strategy, DPStrategy) and cli.trainer.strategy.accountant.steps == 1
     assert {"val/loss", "val/perplexity", "privacy/epsilon"} <= set(cli.trainer.callback_metrics)
     samples = cli.model.generate_text(["the movie is"], cli.datamodule.tokenizer, max_new_tokens=4)
@@ -171,7 +213,7 @@ def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(tmp_path: Path, t
     cli = run_lm_cli([
         "fit", "--config", str(CONFIGS / "smollm2_lm.yaml"),
         "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu",
-        "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false", "--trainer.fast_dev_run", "1",
+        "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1",
         "--model.pretrained", "null", "--model.config", json.dumps(llama),
         "--data.tokenizer", str(tiny_bpe_dir), "--data.train_file", str(train), "--data.val_file", str(train),
         "--data.batch_size", "4", "--data.eval_batch_size", "4",

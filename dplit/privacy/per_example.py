@@ -36,6 +36,15 @@ class PerExampleEngine(ClippingEngine):
     B × (number of parameters): it is the baseline the ghost engine is tested and benchmarked against.
     """
 
+    def check_parameters(self) -> None:
+        """Refuse a transformers model with sdpa attention, whose mask handling ``vmap`` cannot trace."""
+        for sub in self._module.modules():
+            if getattr(getattr(sub, "config", None), "_attn_implementation", None) == "sdpa":
+                raise ValueError(
+                    "DPStrategy.clipping=per_example cannot run model.attn_implementation='sdpa' (torch.func.vmap "
+                    "fails on its attention mask): use model.attn_implementation=eager or DPStrategy.clipping=ghost"
+                )
+
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
         """Add Σ_i c_i ∇ℓ_i to ``param.grad`` using materialised per-example gradients."""
         wrapper = _LossModule(self._module, loss_fn)
