@@ -134,8 +134,9 @@ class CausalLanguageModel(CausalLMModule):
         totals = torch.tensor([self._val_loss_sum, float(self._val_tokens)], device=self.device, dtype=torch.float64)
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum") if self.trainer.world_size > 1 else totals
         loss = float(totals[0] / totals[1].clamp(min=1))
-        self.log("val/loss", loss, batch_size=1)
-        self.log("val/perplexity", math.exp(min(loss, 50.0)), prog_bar=True, batch_size=1)
+        # already summed over ranks: every rank logs the same value, so their mean (sync_dist) is that value
+        self.log("val/loss", loss, batch_size=1, sync_dist=True)
+        self.log("val/perplexity", math.exp(min(loss, 50.0)), prog_bar=True, batch_size=1, sync_dist=True)
         self._log_samples()
 
     def generate_text(self, prompts: list[str], tokenizer: Any, max_new_tokens: int) -> list[str]:
