@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +187,30 @@ def test_subcommands_that_cannot_work_are_not_offered(subcommand: str, tmp_path:
     with pytest.raises(SystemExit) as stop:
         run_cli([subcommand, *quickstart_args(tmp_path)])
     assert stop.value.code == 2 and "dplit: error:" in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path) -> None:
+    """SIGINT to the real executable mid-run: interrupted.ckpt holds exactly the steps the ledger file counts."""
+    executable = Path(sys.executable).with_name("dplit")
+    sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
+    command = [str(executable) if executable.exists() else "dplit", "fit", *quickstart_args(tmp_path, *sigma,
+               "--trainer.max_steps", "200", "--trainer.limit_val_batches", "0")]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None:
+        ledgers = list(tmp_path.rglob("privacy_ledger.json"))
+        if ledgers and _steps(json.loads(ledgers[0].read_text())) >= 2:
+            break
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1 and "Traceback" not in output, output
+    saved = torch.load(next(tmp_path.rglob(INTERRUPT_CHECKPOINT)), weights_only=True)
+    counted = _steps(json.loads(next(tmp_path.rglob("privacy_ledger.json")).read_text()))
+    assert _steps(saved["dplit_privacy"]) == counted >= 2
+    assert saved["global_step"] in (counted - 1, counted)  # Ctrl-C during an optimizer update: that step is counted
+    assert re.search(rf"dplit: WARNING: DP-SGD: training stopped by KeyboardInterrupt after {counted} DP steps", output)
+
+
+def _steps(ledger: dict[str, Any]) -> int:
+    return sum(int(count) for _, _, count in ledger["accountant"]["history"])
