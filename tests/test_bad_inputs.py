@@ -85,6 +85,30 @@ def sst2_files(train: str | bytes | None, dev: str) -> Callable[[Path, Path], li
     return setup
 
 
+def sst2_row(train: str | bytes, *extra: str, data_dir: Callable[[Path], str] | None = None) -> Setup:
+    """SST-2 run with these train.tsv contents (good dev.tsv), then ``extra`` ({scratch}/{tokenizer} filled in)."""
+
+    def setup(scratch: Path, tokenizer: Path) -> list[str]:
+        args = sst2_files(train, GOOD_TSV)(scratch, tokenizer)
+        override = ["--data.data_dir", data_dir(scratch)] if data_dir else []
+        return [*args, *override, *(arg.format(scratch=scratch, tokenizer=tokenizer) for arg in extra)]
+
+    return with_files(setup)
+
+
+def lm_files(name: str, train: str | bytes, *extra: str) -> Setup:
+    """``dplit lm fit`` with scratch/``name`` = ``train``, a one-row val.jsonl and the tiny BPE tokenizer."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        path = scratch / name
+        path.write_bytes(train if isinstance(train, bytes) else train.encode())
+        (scratch / "val.jsonl").write_text('{"text": "It was great."}\n')
+        files = ["--data.tokenizer", str(tokenizer), "--data.train_file", str(path), "--data.val_file", str(scratch / "val.jsonl")]
+        return ["lm", "fit", *lm_args(run), *files, *(arg.format(scratch=scratch, tokenizer=tokenizer) for arg in extra)]
+
+    return setup
+
+
 GOOD_TSV = "\n".join([SST2_HEADER, *SST2_ROWS]) + "\n"
 CATALOGUE: list[tuple[str, Setup, str]] = [
     ("max-length-above-positions", flags("--data.max_length", "100"), r"data.max_length=100 exceeds .* 64 tokens"),
@@ -108,7 +132,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ),
     ("empty-tsv", with_files(sst2_files(None, GOOD_TSV)), r"train.tsv: the file is empty"),
     ("header-only-tsv", with_files(sst2_files(SST2_HEADER + "\n", GOOD_TSV)), r"train.tsv"),
-    ("label-outside-set", with_files(sst2_files(GOOD_TSV + "so so . \t2\n", GOOD_TSV)), r"train.tsv, line 5: label '2'"),
+    ("label-outside-set", with_files(sst2_files(GOOD_TSV + "so so . \t2\n", GOOD_TSV)), r"train.tsv, line 5: the label is not one of the sst2 labels"),
     ("missing-column", with_files(sst2_files("text\tlabel\nfine . \t1\n", GOOD_TSV)), r"train.tsv.*sentence"),
     ("infinite-target-epsilon", flags("--trainer.strategy.init_args.target_epsilon", "inf"), r"target_epsilon='inf': must be a finite number > 0"),
     ("yaml-infinite-target-epsilon", flags("--trainer.strategy.init_args.target_epsilon", ".inf"), r"target_epsilon must be a finite number > 0, got inf"),
@@ -145,6 +169,15 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("freeze-prefix-typo", flags("--model.freeze", '["backbone.transfomer.wpe"]'), r"^model\.freeze: no parameter name starts with 'backbone\.transfomer\.wpe' \(did you mean 'backbone\.transformer\.wpe'\?\)$"),
     ("per-example-with-sdpa", flags("--trainer.strategy.init_args.clipping", "per_example", "--model.attn_implementation", "sdpa"), r"^DPStrategy\.clipping=per_example cannot run model\.attn_implementation='sdpa'"),
     ("lm-no-sample-tokens", lm_flags("--model.sample_tokens", "0"), r"^model\.sample_tokens=0: must be an integer ≥ 1"),
+    # data files and paths
+    ("tsv-not-utf8", sst2_row((GOOD_TSV + "it was b\xe9te . \t0\n").encode("latin-1")), r"train.tsv, line 5: not UTF-8 text \(at column 9\)$"),
+    ("tsv-only-blank-lines", sst2_row("\n  \n\n"), r"train.tsv: no examples \(only blank lines\)$"),
+    ("data-dir-is-a-file", sst2_row(GOOD_TSV, data_dir=lambda scratch: str(scratch / "sst2" / "train.tsv")), r"^data.data_dir='.*train.tsv': is a file, expected a folder"),
+    ("tokenizer-is-a-file", sst2_row(GOOD_TSV, "--data.tokenizer", "{tokenizer}/vocab.json"), r"^data.tokenizer='.*vocab.json': is a file, expected a tokenizer folder"),
+    ("jsonl-not-utf8", lm_files("train.jsonl", b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "b\xe9te"}\n'), r"train.jsonl, line 3: not UTF-8 text \(at column 12\)$"),
+    ("jsonl-line-not-json", lm_files("train.jsonl", '{"text": "fine"}\n{"text": fine}\n'), r"train.jsonl, line 2: not valid JSON \(Expecting value at column 10\)$"),
+    ("jsonl-only-blank-lines", lm_files("train.jsonl", "\n  \n\n"), r"train\.jsonl: no examples \(only blank lines\)$"),
+    ("train-file-is-a-directory", lm_files("train.jsonl", '{"text": "fine"}\n', "--data.train_file", "{scratch}"), r"^data.train_file='.*': is a directory, expected a .jsonl/.json/.csv/.txt file$"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
 ]  # fmt: skip
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pickle
+import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from dplit.data.prompt import PromptTemplate, truncated_lengths
 from dplit.data.sources import read_glue_tsv
 from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic_tokenizer
 from dplit.data.tasks import QNLI, QQP, SST2, TASKS
+from dplit.data.text import TextDataModule, encode_rows, read_rows
 from dplit.data.tokenizer import build_word_tokenizer, label_word_ids
 from tests.glue_files import (
     QNLI_HEADER,
@@ -47,6 +51,13 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
 
 def words(count: int, start: int = 0) -> str:
     return " ".join(f"w{i}" for i in range(start, start + count))
+
+
+def one_line(error: pytest.ExceptionInfo[BaseException]) -> str:
+    """The refusal's message, checked to be one line (the CLI prints it as ``dplit: error: <message>``)."""
+    message = str(error.value)
+    assert "\n" not in message and "\r" not in message, message
+    return message
 
 
 # --- TSV parsing -------------------------------------------------------------------------------
@@ -298,16 +309,258 @@ def test_empty_split_names_file(tmp_path: Path, tiny_bpe_dir: Path) -> None:
         data.setup("validate")
 
 
-def test_missing_file_names_path(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+def test_missing_file_names_flag_and_path(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    write_tsv(tmp_path, "dev.tsv", QQP_HEADER, QQP_ROWS)  # enough to validate, not to fit
     data = GlueDataModule("qqp", data_dir=str(tmp_path), tokenizer=str(tiny_bpe_dir))
-    with pytest.raises(FileNotFoundError, match=str(tmp_path / "train.tsv")):
+    data.setup("validate")
+    with pytest.raises(FileNotFoundError) as error:
         data.setup("fit")
+    assert one_line(error) == f"data.data_dir: {tmp_path / 'train.tsv'} not found (GLUE's qqp train split)"
 
 
 @pytest.mark.parametrize("name", ["batch_size", "max_length", "max_train_examples"])
 def test_non_positive_counts_error(name: str) -> None:
     with pytest.raises(ValueError, match=rf"data\.{name} must be a positive integer"):
         GlueDataModule("synthetic", **{name: 0})
+
+
+# --- bad files: one-line refusals naming the file and line -------------------------------------------
+
+
+NOT_UTF8 = b"it was fine . \t1\nit was b\xe9te . \t0\n"  # Latin-1 "bête" on line 3 (after the header)
+
+
+def test_tsv_that_is_not_utf8_names_line_byte_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "train.tsv"
+    path.write_bytes(SST2_HEADER.encode() + b"\n" + NOT_UTF8)
+    with pytest.raises(ValueError) as error:
+        read_glue_tsv(path, SST2)
+    assert one_line(error) == f"{path}, line 3: not UTF-8 text (at column 9)"
+    path.write_text(f"{SST2_HEADER}\n{SST2_ROWS[0]}\n", encoding="utf-16")
+    with pytest.raises(ValueError, match=r"line 1: not UTF-8 text \(at column 1\); it looks like UTF-16"):
+        read_glue_tsv(path, SST2)
+
+
+@pytest.mark.parametrize(
+    ("contents", "message"),
+    [
+        ("\n  \n\n", "no examples (only blank lines)"),
+        (f"{SST2_HEADER}\n\n \n", "no examples (only blank lines after the header)"),
+        (f"{SST2_HEADER}\n", "has no examples (empty split)"),
+    ],
+    ids=["blank-lines", "header-and-blank-lines", "header-only"],
+)
+def test_tsv_without_examples_says_why(contents: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "dev.tsv"
+    path.write_text(contents)
+    with pytest.raises(ValueError) as error:
+        read_glue_tsv(path, SST2)
+    assert one_line(error).startswith(str(path)) and one_line(error).endswith(message)
+
+
+def test_tsv_blank_lines_between_rows_are_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "train.tsv"
+    path.write_text(f"{SST2_HEADER}\n{SST2_ROWS[0]}\n   \n\n{SST2_ROWS[1]}\nnot a row\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line 6: expected 2 tab-separated fields"):
+        read_glue_tsv(path, SST2)
+    assert read_glue_tsv(path, SST2, limit=2).labels == ["1", "0"]
+
+
+def test_data_dir_that_is_not_a_task_folder_names_the_flag(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    def refusal(data_dir: Path) -> str:
+        with pytest.raises(ValueError) as error:
+            GlueDataModule("sst2", data_dir=str(data_dir), tokenizer=str(tiny_bpe_dir))
+        return one_line(error)
+
+    root = tmp_path / "glue"
+    write_glue_task(root / "sst2", SST2_HEADER, SST2_ROWS)
+    files = "GLUE's sst2 train.tsv and dev.tsv"
+    assert refusal(tmp_path / "nope") == f"data.data_dir='{tmp_path / 'nope'}': no such folder (expected {files} there)"
+    train = root / "sst2" / "train.tsv"
+    assert refusal(train) == f"data.data_dir='{train}': is a file, expected a folder with {files}"
+    assert refusal(root) == (
+        f"data.data_dir='{root}': the folder has neither train.tsv nor dev.tsv (expected {files}); "
+        f"they are in {root / 'sst2'}: set data.data_dir to it"
+    )
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "dev.tsv").mkdir()
+    data = GlueDataModule("sst2", data_dir=str(tmp_path / "odd"), tokenizer=str(tiny_bpe_dir))
+    with pytest.raises(ValueError) as error:
+        data.setup("validate")
+    assert one_line(error) == f"{tmp_path / 'odd' / 'dev.tsv'}: is a directory, expected a GLUE sst2 TSV file"
+
+
+def test_tokenizer_paths_that_do_not_fit_name_the_flag(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    def refusal(name: Path | str, gguf_file: str | None = None) -> str:
+        with pytest.raises(ValueError) as error:
+            load_tokenizer(str(name), gguf_file)
+        return one_line(error)
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert refusal(tmp_path / "nope") == f"data.tokenizer='{tmp_path / 'nope'}': no such folder"
+    assert refusal(tiny_bpe_dir / "vocab.json") == (
+        f"data.tokenizer='{tiny_bpe_dir / 'vocab.json'}': is a file, expected a tokenizer folder such as '{tiny_bpe_dir}'"
+    )
+    assert refusal(tmp_path / "model.gguf") == (
+        f"data.tokenizer='{tmp_path / 'model.gguf'}': is a GGUF file, expected its folder; "
+        f"set data.tokenizer='{tmp_path}' and data.gguf_file='model.gguf'"
+    )
+    assert refusal(tmp_path / "empty").startswith(f"data.tokenizer='{tmp_path / 'empty'}': the folder has no tokenizer")
+    assert refusal(tmp_path / "nope", "model.gguf").startswith(f"data.tokenizer='{tmp_path / 'nope'}': no such folder")
+    assert refusal("no-such-org/no-such-tokenizer").startswith("data.tokenizer='no-such-org/no-such-tokenizer' could")
+
+
+def text_file(folder: Path, name: str, contents: str | bytes) -> Path:
+    path = folder / name
+    path.write_bytes(contents if isinstance(contents, bytes) else contents.encode())
+    return path
+
+
+@pytest.mark.parametrize(
+    ("name", "contents", "line", "column"),
+    [
+        ("train.jsonl", b'{"text": "fine"}\n\n{"text": "b\xe9te"}\n', 3, 12),
+        ("train.json", b'[{"text": "fine"},\n {"text": "b\xe9te"}]\n', 2, 13),
+        ("train.csv", b"text\nfine\nb\xe9te\n", 3, 2),
+        ("train.txt", b"fine\r\nb\xe9te\r\n", 2, 2),
+    ],
+)
+def test_text_file_that_is_not_utf8_names_line_and_column(
+    name: str, contents: bytes, line: int, column: int, tmp_path: Path
+) -> None:
+    path = text_file(tmp_path, name, contents)
+    with pytest.raises(ValueError) as error:
+        read_rows(path, ("text",))
+    assert one_line(error) == f"{path}, line {line}: not UTF-8 text (at column {column})"
+
+
+@pytest.mark.parametrize(
+    ("name", "contents", "message"),
+    [
+        ("t.jsonl", '{"text": "fine"}\n{"text": fine}\n', r"line 2: not valid JSON \(Expecting value at column 10\)"),
+        ("t.jsonl", '{"text": "a"}\n["a"]\n', r"line 2: expected a JSON object \(one example\), found a JSON array"),
+        ("t.jsonl", '{"text": "a"}\n"a"\n', r"line 2: expected a JSON object \(one example\), found a JSON string"),
+        ("t.jsonl", '{"text": "a"}\n\n{"body": "b"}\n', r"line 3: missing column 'text' \(other rows have it\)"),
+        ("t.jsonl", '{"text": "a"}\n{"text": 5}\n', r"line 2: column 'text' is a JSON number, expected a string"),
+        ("t.json", '[{"text": "a"},\n {"text": "b"},\n]', r"line 3: not valid JSON \(.+ at column 1\)"),
+        ("t.json", '[{"text": "a"}, ["b"]]', r"item 2: expected a JSON object \(one example\), found a JSON array"),
+        ("t.json", '{"text": "a"}\n{"text": b}\n', r"line 2: not valid JSON \(Expecting value at column 10\)"),  # JSON Lines
+        ("t.csv", "text,label\nfine,1\n\nbad,0,extra\n", r"line 4: expected 2 comma-separated fields like the header \(line 1\), found 3"),
+    ],
+    ids=["not-json", "array-line", "string-line", "missing-column", "number", "json-syntax", "json-item", "json-lines", "csv-fields"],
+)  # fmt: skip
+def test_bad_line_of_a_text_file_names_file_and_line(name: str, contents: str, message: str, tmp_path: Path) -> None:
+    path = text_file(tmp_path, name, contents)
+    with pytest.raises(ValueError) as error:
+        read_rows(path, ("text",))
+    assert re.fullmatch(rf"{re.escape(str(path))}, {message}", one_line(error)), one_line(error)
+
+
+@pytest.mark.parametrize(
+    ("name", "contents", "reason"),
+    [
+        ("t.jsonl", "\n  \n\t\n", "only blank lines"),
+        ("t.json", "  \n\n", "only blank lines"),
+        ("t.txt", "\r\n \r\n", "only blank lines"),
+        ("t.csv", "\n\n", "only blank lines"),
+        ("t.csv", "text\n\n  \n", "only the header line"),
+        ("t.json", " [ ]\n", "an empty JSON array"),
+    ],
+)
+def test_text_file_without_examples_says_why(name: str, contents: str, reason: str, tmp_path: Path) -> None:
+    path = text_file(tmp_path, name, contents)
+    with pytest.raises(ValueError) as error:
+        read_rows(path, ("text",))
+    assert one_line(error) == f"{path}: no examples ({reason})"
+
+
+def test_blank_lines_are_skipped_and_later_refusals_name_the_file_line(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    path = text_file(tmp_path, "t.jsonl", '{"text": "fine"}\n\n{"text": "  "}\n')
+    rows = read_rows(path, ("text",))
+    assert rows.texts == ["fine", "  "] and rows.lines == [1, 3]
+    with pytest.raises(ValueError) as error:
+        encode_rows(rows, load_tokenizer(tiny_bpe_dir), 16, "truncate")
+    assert one_line(error) == f"{path}, row 2 (line 3): empty text"
+    csv_path = text_file(tmp_path, "t.csv", 'prompt,response\n"Is it\ngreat?",yes\n\nWhy?,no\n')
+    csv_rows = read_rows(csv_path, ("prompt", "response"))
+    assert csv_rows.prompts == ["Is it\ngreat?", "Why?"] and csv_rows.lines == [2, 5]
+    assert read_rows(text_file(tmp_path, "t.txt", "a\n\nb\r\n"), ("body",)).texts == ["a", "b"]
+    long = "word " * 40_000  # 200 kB: past the csv module's default field limit
+    assert read_rows(text_file(tmp_path, "long.csv", f"text\n{long}\n"), ("text",)).texts == [long]
+    array = read_rows(text_file(tmp_path, "t.json", json.dumps([{"text": "a"}, {"text": None}])), ("text",), limit=5)
+    assert array.texts == ["a", ""] and array.lines is None
+
+
+def test_train_and_val_files_that_are_not_files_name_the_flag(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    good = text_file(tmp_path, "val.jsonl", '{"text": "fine"}\n')
+
+    def refusal(train_file: Path) -> str:
+        with pytest.raises(ValueError) as error:
+            TextDataModule(train_file=str(train_file), val_file=str(good), tokenizer=str(tiny_bpe_dir))
+        return one_line(error)
+
+    (tmp_path / "corpus").mkdir()
+    expected = "expected a .jsonl/.json/.csv/.txt file"
+    assert refusal(tmp_path / "corpus") == f"data.train_file='{tmp_path / 'corpus'}': is a directory, {expected}"
+    assert refusal(tmp_path / "nope.jsonl") == f"data.train_file='{tmp_path / 'nope.jsonl'}': no such file ({expected})"
+    assert refusal(text_file(tmp_path, "t.parquet", "x")).endswith("unknown file type '.parquet'; use one of "
+                                                                   "['.csv', '.json', '.jsonl', '.txt']")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^data\.val_file=.*: is a directory"):
+        TextDataModule(train_file=str(good), val_file=str(tmp_path / "corpus"), tokenizer=str(tiny_bpe_dir))
+
+
+def test_text_file_with_prompt_columns_must_not_be_txt(tmp_path: Path) -> None:
+    path = text_file(tmp_path, "t.txt", "Is it great? yes\n")
+    with pytest.raises(ValueError, match=r"a \.txt file is one text per line") as error:
+        read_rows(path, ("prompt", "response"))
+    one_line(error)
+
+
+# --- options the data ignores: one warning line each ---------------------------------------------
+
+
+def warned(build: object) -> list[str]:
+    """The warning messages emitted while calling ``build()``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build()  # type: ignore[operator]
+    return [str(warning.message) for warning in caught if "is ignored" in str(warning.message)]
+
+
+def test_glue_options_the_task_ignores_are_warned_about(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    small = {"synthetic_train_size": 10, "synthetic_val_size": 10}
+    assert warned(lambda: GlueDataModule("synthetic", **small)) == []
+    options = {"data_dir": "/x", "tokenizer": "gpt2-large", "gguf_file": "m.gguf"}
+    said = warned(lambda: GlueDataModule("synthetic", **options, **small))
+    why = "is ignored with data.task=synthetic: it makes its own examples and tokenizer"
+    assert said == [f"data.data_dir='/x' {why}", f"data.tokenizer='gpt2-large' {why}", f"data.gguf_file='m.gguf' {why}"]
+    folder = str(write_glue_task(tmp_path, SST2_HEADER, SST2_ROWS))
+    assert warned(lambda: GlueDataModule("sst2", data_dir=folder, tokenizer=str(tiny_bpe_dir))) == []
+    said = warned(lambda: GlueDataModule("sst2", data_dir=folder, tokenizer=str(tiny_bpe_dir), seed=3, **small))
+    assert said == [
+        f"data.{name}={value} is ignored with data.task=sst2: only data.task=synthetic uses it"
+        for name, value in [("synthetic_train_size", 10), ("synthetic_val_size", 10), ("seed", 3)]
+    ]
+
+
+def test_text_options_the_data_ignores_are_warned_about(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    file = str(text_file(tmp_path, "t.jsonl", '{"prompt": "Is it?", "response": "yes"}\n'))
+    files = {"train_file": file, "val_file": file, "tokenizer": str(tiny_bpe_dir)}
+    instruction = {"prompt_column": "prompt", "response_column": "response"}
+    assert warned(lambda: TextDataModule(**files, **instruction)) == []
+    assert warned(lambda: TextDataModule(builtin_train_size=10)) == []
+    said = warned(lambda: TextDataModule(**files, **instruction, dataset="someone/notes", text_column="body", seed=1))
+    assert said == [
+        "data.dataset='someone/notes' is ignored: data.train_file and data.val_file are read instead",
+        "data.seed=1 is ignored: only the builtin corpus uses it",
+        "data.text_column='body' is ignored: instruction data reads data.prompt_column and data.response_column",
+    ]
+    said = warned(lambda: TextDataModule(tokenizer="gpt2-large", text_column="body", builtin_train_size=10))
+    assert said == [
+        "data.tokenizer='gpt2-large' is ignored: the builtin corpus has its own tokenizer",
+        "data.text_column='body' is ignored: the builtin corpus is plain text without columns",
+    ]
 
 
 # --- batching ------------------------------------------------------------------------------------
@@ -374,7 +627,8 @@ def test_padding_side_reaches_batches_and_tokenizer() -> None:
 
 
 def test_synthetic_interface_and_tokenizer() -> None:
-    data = GlueDataModule("synthetic", tokenizer="not-a-tokenizer", synthetic_train_size=20, synthetic_val_size=10)
+    with pytest.warns(UserWarning, match=r"^data\.tokenizer='not-a-tokenizer' is ignored with data\.task=synthetic"):
+        data = GlueDataModule("synthetic", tokenizer="not-a-tokenizer", synthetic_train_size=20, synthetic_val_size=10)
     assert data.num_classes == 2 and data.task == "synthetic"
     assert data.vocab_size == len(data.tokenizer) <= 128
     assert data.tokenizer.pad_token_id == data.tokenizer.eos_token_id == 0

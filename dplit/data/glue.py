@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import logging
+import inspect
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import datasets
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
@@ -19,8 +20,6 @@ from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
 from dplit.data.tasks import TaskSpec, get_task
 from dplit.data.tokenizer import label_word_ids, load_tokenizer
 
-log = logging.getLogger(__name__)
-
 Split = Literal["train", "dev"]
 _HUB_SPLITS: dict[str, str] = {"train": "train", "dev": "validation"}
 
@@ -30,7 +29,9 @@ class GlueDataModule(LightningDataModule):
 
     Each example becomes ``template`` filled with its texts (truncated to ``max_length`` tokens, the
     template text never cut) and a class index; the model scores the label words at the last token.
-    Validation and test both use GLUE's dev split (GLUE's test split has no labels).
+    Validation and test both use GLUE's dev split (GLUE's test split has no labels). An option that the task
+    ignores (``data_dir`` for ``synthetic``, ``synthetic_train_size`` for a GLUE task, ...) is warned about when
+    it was changed from its default.
 
     Args:
         task: ``"sst2"``, ``"qnli"``, ``"qqp"`` or ``"synthetic"`` (built-in, offline, own tokenizer).
@@ -85,7 +86,10 @@ class GlueDataModule(LightningDataModule):
             synthetic_train_size=synthetic_train_size,
             synthetic_val_size=synthetic_val_size,
         )
-        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
+        _warn_ignored_options(task, self.hparams)
+        self.data_dir = Path(data_dir).expanduser() if data_dir is not None and task != "synthetic" else None
+        if self.data_dir is not None:
+            _check_data_dir(self.data_dir, task)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
@@ -147,7 +151,6 @@ class GlueDataModule(LightningDataModule):
 
     def _load_tokenizer(self, name_or_path: str, gguf_file: str | None, padding_side: str) -> PreTrainedTokenizerBase:
         if self.task == "synthetic":
-            log.debug("task synthetic builds its own tokenizer; data.tokenizer=%r is ignored", name_or_path)
             tokenizer = build_synthetic_tokenizer()
         else:
             tokenizer = load_tokenizer(name_or_path, gguf_file)
@@ -161,7 +164,10 @@ class GlueDataModule(LightningDataModule):
             size = hp.synthetic_train_size if split == "train" else hp.synthetic_val_size
             return make_synthetic_split(split, size if limit is None else min(size, limit), hp.seed)
         if self.data_dir is not None:
-            return read_glue_tsv(self.data_dir / f"{split}.tsv", self.spec, limit)
+            path = self.data_dir / f"{split}.tsv"
+            if not path.exists():
+                raise FileNotFoundError(f"data.data_dir: {path} not found (GLUE's {self.task} {split} split)")
+            return read_glue_tsv(path, self.spec, limit)
         return load_hub_split(self.spec, _HUB_SPLITS[split], limit)
 
     def _tokenize(self, texts: TextSplit) -> TokenizedDataset:
@@ -186,6 +192,33 @@ def _resolve_label_words(spec: TaskSpec, label_words: dict[str, str] | None) -> 
             f"got keys {sorted(words)}"
         )
     return words
+
+
+def _warn_ignored_options(task: str, options: Mapping[str, Any]) -> None:
+    """Warn once for each option that ``task`` ignores and that was changed from its default."""
+    if task == "synthetic":
+        ignored = dict.fromkeys(("data_dir", "tokenizer", "gguf_file"), "it makes its own examples and tokenizer")
+    else:
+        ignored = dict.fromkeys(
+            ("synthetic_train_size", "synthetic_val_size", "seed"), "only data.task=synthetic uses it"
+        )
+    defaults = inspect.signature(GlueDataModule.__init__).parameters
+    for name, why in ignored.items():
+        if options[name] != defaults[name].default:
+            rank_zero_warn(f"data.{name}={options[name]!r} is ignored with data.task={task}: {why}")
+
+
+def _check_data_dir(folder: Path, task: str) -> None:
+    """Refuse a ``data.data_dir`` that is missing, a file, or a folder with neither of the task's TSV files."""
+    flag, files = f"data.data_dir={str(folder)!r}", f"GLUE's {task} train.tsv and dev.tsv"
+    if not folder.exists():
+        raise ValueError(f"{flag}: no such folder (expected {files} there)")
+    if not folder.is_dir():
+        raise ValueError(f"{flag}: is a file, expected a folder with {files}")
+    if not any((folder / f"{split}.tsv").exists() for split in ("train", "dev")):
+        below = folder / task
+        hint = f"; they are in {below}: set data.data_dir to it" if (below / "dev.tsv").is_file() else ""
+        raise ValueError(f"{flag}: the folder has neither train.tsv nor dev.tsv (expected {files}){hint}")
 
 
 def _check_counts(**counts: int | None) -> None:

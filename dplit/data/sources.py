@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import islice
 from pathlib import Path
+from typing import Any, TextIO
 
 import datasets
 
@@ -35,6 +38,8 @@ class TextSplit:
 def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextSplit:
     """Read a GLUE TSV file (header row, tab-separated, no quoting: QNLI texts may start with ``"``).
 
+    Blank (whitespace-only) lines are skipped.
+
     Args:
         path: the TSV file, e.g. ``glue/qnli/dev.tsv``.
         spec: the task, giving the header's required columns and the label strings.
@@ -45,35 +50,45 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
 
     Raises:
         FileNotFoundError: when the file is missing.
-        ValueError: naming the file (and the 1-based line) for a missing column, a row with the wrong
-            number of fields, a label outside the task's label set, or a file without examples.
+        ValueError: naming the file (and the 1-based line) for a directory, text that is not UTF-8, a missing
+            column, a row with the wrong number of fields, a label outside the task's label set, or a file
+            without examples (empty, only blank lines, or a header without rows).
     """
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, expected a GLUE {spec.name} TSV file")
     if not path.is_file():
         raise FileNotFoundError(f"GLUE {spec.name} file not found: {path}")
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes); a GLUE {spec.name} TSV starts with its header row")
     texts: dict[str, list[str]] = {column: [] for column in spec.text_columns}
     labels: list[str] = []
-    with path.open(encoding="utf-8-sig", newline="") as file:
-        reader = csv.reader(file, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, [])
+    blank_lines = 0
+    with utf8_text(path) as file:
+        rows = csv_rows(path, file, delimiter="\t", quoting=csv.QUOTE_NONE)
+        _, header = next(rows, (1, []))
+        if is_blank(header) and all(is_blank(row) for _, row in rows):
+            raise ValueError(f"{path}: no examples (only blank lines)")
         positions = _column_positions(path, header, spec)
-        rows = (row for row in reader if row)
-        for row in islice(rows, limit):
+        for line, row in rows:
+            if is_blank(row):
+                blank_lines += 1
+                continue
+            if limit is not None and len(labels) >= limit:
+                break
             if len(row) != len(header):
                 raise ValueError(
-                    f"{path}, line {reader.line_num}: expected {len(header)} tab-separated fields "
-                    f"({header}), found {len(row)}"
+                    f"{path}, line {line}: expected {len(header)} tab-separated fields ({header}), found {len(row)}"
                 )
             label = row[positions[spec.label_column]]
             if label not in spec.labels:
                 raise ValueError(
-                    f"{path}, line {reader.line_num}: label {label!r} is not one of the {spec.name} labels "
-                    f"{sorted(spec.labels)}"
+                    f"{path}, line {line}: the label is not one of the {spec.name} labels {sorted(spec.labels)}"
                 )
             labels.append(label)
             for column, values in texts.items():
                 values.append(row[positions[column]])
+    if not labels and blank_lines:
+        raise ValueError(f"{path}: no examples (only blank lines after the header)")
     return _non_empty(TextSplit(texts, labels, str(path)))
 
 
@@ -95,7 +110,7 @@ def load_hub_split(spec: TaskSpec, split: str, limit: int | None = None) -> Text
     labels = []
     for row_number, label in enumerate(dataset["label"], start=1):
         if not 0 <= label < len(spec.hub_labels):
-            raise ValueError(f"{source}, row {row_number}: label {label} is not one of 0..{len(spec.hub_labels) - 1}")
+            raise ValueError(f"{source}, row {row_number}: the label is not one of 0..{len(spec.hub_labels) - 1}")
         labels.append(spec.hub_labels[label])
     texts = {column: list(dataset[column]) for column in spec.text_columns}
     return _non_empty(TextSplit(texts, labels, source))
@@ -112,3 +127,52 @@ def _non_empty(split: TextSplit) -> TextSplit:
     if not len(split):
         raise ValueError(f"{split.source} has no examples (empty split)")
     return split
+
+
+@contextmanager
+def utf8_text(path: Path) -> Iterator[TextIO]:
+    """Open ``path`` as UTF-8 text (a leading byte-order mark dropped, line ends kept as written: ``newline=""``).
+
+    Raises:
+        ValueError: naming the file and the 1-based line and column where the text stops being UTF-8.
+    """
+    try:
+        with path.open(encoding="utf-8-sig", newline="") as file:
+            yield file
+    except UnicodeDecodeError:
+        raise ValueError(not_utf8_message(path)) from None
+
+
+def not_utf8_message(path: Path) -> str:
+    """Where ``path`` stops being UTF-8: its 1-based line and column (in characters); never the private byte itself."""
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_start = max(data.rfind(b"\n", 0, error.start), data.rfind(b"\r", 0, error.start)) + 1
+        line = len(re.findall(rb"\r\n|\r|\n", data[: error.start])) + 1
+        column = len(data[line_start : error.start].decode("utf-8").removeprefix("\ufeff")) + 1
+        hint = "; it looks like UTF-16: save it as UTF-8" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else ""
+        return f"{path}, line {line}: not UTF-8 text (at column {column}){hint}"
+    return f"{path}: not UTF-8 text"
+
+
+def csv_rows(path: Path, file: TextIO, **dialect: Any) -> Iterator[tuple[int, list[str]]]:
+    """The rows of ``csv.reader(file, **dialect)``, each with the 1-based line it starts on.
+
+    Raises:
+        ValueError: naming the file and line for a row the ``csv`` module cannot read.
+    """
+    reader = csv.reader(file, **dialect)
+    start = 1
+    try:
+        for row in reader:
+            yield start, row
+            start = reader.line_num + 1
+    except csv.Error as error:
+        raise ValueError(f"{path}, line {reader.line_num}: not readable as CSV/TSV ({error})") from None
+
+
+def is_blank(row: list[str]) -> bool:
+    """Whether a parsed CSV/TSV row comes from a blank (empty or whitespace-only) line."""
+    return not row or (len(row) == 1 and not row[0].strip())

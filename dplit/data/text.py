@@ -1,4 +1,4 @@
-"""TextDataModule: a user's corpus (local JSONL / CSV / TXT, a hub dataset, or the built-in one) for next-token training.
+"""TextDataModule: a user's corpus (local JSONL / JSON / CSV / TXT, a hub dataset or the built-in one) for LM training.
 
 One example per row: a ``text`` column, or ``prompt`` + ``response`` columns (instruction data, loss on the
 response only). Rows are never packed together: under DP the privacy unit is the example, and a row that
@@ -8,14 +8,19 @@ model's tokenizer does (its BOS if it adds one), followed by its end-of-text tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import csv
+import inspect
+import io
+import json
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Any, Literal, NamedTuple, TextIO, TypedDict
 
 import datasets
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
@@ -23,11 +28,22 @@ from typing_extensions import override
 
 from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
+from dplit.data.sources import csv_rows, is_blank, utf8_text
 from dplit.data.tokenizer import load_tokenizer
 
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
-_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".txt": "text"}
+FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
+_LONGEST_CSV_FIELD = 2**31 - 1
+_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+class Record(NamedTuple):
+    """One row of a local file: where it is (1-based ``line 3``, or ``item 3`` of a JSON array) and its columns."""
+
+    number: int
+    columns: Mapping[str, Any]
+    unit: str = "line"
 
 
 class TextExample(TypedDict):
@@ -45,6 +61,8 @@ class TextRows:
     prompts: list[str] | None
     responses: list[str] | None
     source: str
+    lines: list[int] | None = None
+    """The 1-based file line of each row, where it may differ from the row number (local files)."""
 
 
 class TextDataset(Dataset[TextExample]):
@@ -143,6 +161,10 @@ class TextDataModule(LightningDataModule):
             raise ValueError("set both data.train_file and data.val_file, or neither")
         if overlength not in ("truncate", "refuse"):
             raise ValueError(f"data.overlength must be 'truncate' or 'refuse', got {overlength!r}")
+        for flag, file in {"data.train_file": train_file, "data.val_file": val_file}.items():
+            if file is not None:
+                check_data_file(flag, file)
+        _warn_ignored_options(self.hparams)
         for name, value in {
             "batch_size": batch_size,
             "eval_batch_size": eval_batch_size,
@@ -201,7 +223,8 @@ class TextDataModule(LightningDataModule):
         hp = self.hparams
         limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
         if hp.train_file is not None:
-            return read_rows(Path(hp.train_file if split == "train" else hp.val_file), self._columns(), limit)
+            file = Path(hp.train_file if split == "train" else hp.val_file).expanduser()
+            return read_rows(file, self._columns(), limit)
         if hp.dataset == BUILTIN:
             size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
             texts = make_corpus_split(split, size if limit is None else min(size, limit), hp.seed)
@@ -214,25 +237,153 @@ class TextDataModule(LightningDataModule):
         return (hp.prompt_column, hp.response_column) if hp.prompt_column else (hp.text_column,)
 
 
+def check_data_file(flag: str, value: str) -> None:
+    """Refuse a ``data.train_file`` / ``data.val_file`` that is missing, a directory or of an unknown type.
+
+    Args:
+        flag: the option, for the message (``"data.train_file"``).
+        value: its value, a path.
+    """
+    path = Path(value).expanduser()
+    expected = f"expected a {'/'.join(FILE_TYPES)} file"
+    if path.is_dir():
+        raise ValueError(f"{flag}={value!r}: is a directory, {expected}")
+    if not path.is_file():
+        raise ValueError(f"{flag}={value!r}: no such file ({expected})")
+    if path.suffix.lower() not in FILE_TYPES:
+        raise ValueError(f"{flag}={value!r}: unknown file type {path.suffix!r}; use one of {sorted(FILE_TYPES)}")
+
+
 def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) -> TextRows:
-    """Read the ``columns`` of a local JSONL / JSON / CSV / TXT file with ``datasets``.
+    """Read the ``columns`` of a local JSONL / JSON / CSV / TXT file (UTF-8, one example per row).
+
+    A JSONL file holds one JSON object per line; a JSON file holds an array of objects (or JSON Lines); a CSV
+    file has a header line; a TXT file is one text per line (a single column, named ``columns[0]``). Blank
+    (whitespace-only) lines are skipped in every format; messages name the file's 1-based line.
+    A column's value must be a string (JSON ``null`` reads as an empty text, refused when tokenised).
+
+    Args:
+        path: the file.
+        columns: the columns to read (``("text",)`` or ``("prompt", "response")``).
+        limit: read only the first ``limit`` rows.
+
+    Returns:
+        The rows, each with its file line.
 
     Raises:
-        ValueError: naming the file for a missing file, an unknown suffix, a missing column, or no rows.
+        ValueError: naming the file (and the line) for a missing file, a directory, an unknown suffix, an empty
+            file, text that is not UTF-8, a line that is not JSON or not an object, a CSV row with the wrong
+            number of fields, a missing column, a value that is not a string, or a file with no rows.
     """
+    if path.is_dir():
+        raise ValueError(f"{path}: is a directory, expected a {'/'.join(FILE_TYPES)} file")
     if not path.is_file():
         raise ValueError(f"{path}: no such file")
-    builder = _BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(_BUILDERS)}")
+    suffix = path.suffix.lower()
+    if suffix not in FILE_TYPES:
+        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(FILE_TYPES)}")
     if path.stat().st_size == 0:
         raise ValueError(f"{path}: the file is empty (0 bytes)")
-    table = datasets.load_dataset(builder, data_files=str(path), split="train")
-    if builder == "text":
-        table = table.rename_column("text", columns[0]) if len(columns) == 1 and columns[0] != "text" else table
-    if limit is not None:
-        table = table.select(range(min(limit, len(table))))
-    return _rows_of(table, columns, str(path))
+    if suffix == ".txt" and len(columns) != 1:
+        raise ValueError(
+            f"{path}: a .txt file is one text per line, without the columns {list(columns)} of instruction data "
+            "(data.prompt_column, data.response_column); use a .jsonl, .json or .csv file"
+        )
+    with utf8_text(path) as file:
+        reader = _read_csv if suffix == ".csv" else _read_txt if suffix == ".txt" else _read_json
+        records = list(islice(reader(path, file, columns[0]), limit))
+    if not records and limit != 0:
+        raise ValueError(f"{path}: no examples (only blank lines)")
+    return _records_to_rows(path, records, columns)
+
+
+def _read_txt(path: Path, file: TextIO, column: str) -> Iterator[Record]:
+    for line, text in enumerate(file, start=1):
+        if text.strip():
+            yield Record(line, {column: text.rstrip("\r\n")})
+
+
+def _read_json(path: Path, file: TextIO, column: str) -> Iterator[Record]:
+    """JSON Lines; a ``.json`` file may instead hold one JSON array of objects (its rows numbered by item)."""
+    if path.suffix.lower() == ".json":
+        text = file.read()
+        if text.lstrip().startswith("["):
+            yield from _read_json_array(path, text)
+            return
+        file = io.StringIO(text, newline="")
+    for line, text in enumerate(file, start=1):
+        if text.strip():
+            yield Record(line, _json_object(path, f"line {line}", _json_value(path, text, line)))
+
+
+def _read_json_array(path: Path, text: str) -> Iterator[Record]:
+    items = _json_value(path, text)
+    if not items:
+        raise ValueError(f"{path}: no examples (an empty JSON array)")
+    for item, value in enumerate(items, start=1):
+        yield Record(item, _json_object(path, f"item {item}", value), unit="item")
+
+
+def _json_value(path: Path, text: str, line: int = 1) -> Any:
+    """``json.loads(text)`` for ``text`` starting on ``line`` of the file; an error names the file's line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        where = line + error.lineno - 1
+        raise ValueError(f"{path}, line {where}: not valid JSON ({error.msg} at column {error.colno})") from None
+
+
+def _json_object(path: Path, where: str, value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        found = f"found a JSON {_json_kind(value)}"
+        raise ValueError(f"{path}, {where}: expected a JSON object (one example), {found}")  # noqa: TRY004  (bad data)
+    return value
+
+
+def _json_kind(value: Any) -> str:
+    return "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _read_csv(path: Path, file: TextIO, column: str) -> Iterator[Record]:
+    """Rows of a CSV file after its header line, each with the same number of fields as the header."""
+    csv.field_size_limit(max(csv.field_size_limit(), _LONGEST_CSV_FIELD))  # the default, 128 KiB, cuts documents
+    rows = ((line, row) for line, row in csv_rows(path, file) if not is_blank(row))
+    header_line, header = next(rows, (0, []))
+    if not header:
+        return
+    count = 0
+    for line, row in rows:
+        if len(row) != len(header):
+            raise ValueError(
+                f"{path}, line {line}: expected {len(header)} comma-separated fields like the header "
+                f"(line {header_line}), found {len(row)}"
+            )
+        count += 1
+        yield Record(line, dict(zip(header, row)))
+    if not count:
+        raise ValueError(f"{path}: no examples (only the header line)")
+
+
+def _records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...]) -> TextRows:
+    """Check that every record has the columns, as strings (``null``: empty), and gather them."""
+    seen = list(dict.fromkeys(key for record in records for key in record.columns))
+    missing = [column for column in columns if column not in seen]
+    if missing:
+        raise ValueError(f"{path}: missing column(s) {missing}; the file has {seen}")
+    values: list[list[str]] = [[] for _ in columns]
+    for record in records:
+        where = f"{path}, {record.unit} {record.number}"
+        for column, column_values in zip(columns, values):
+            if column not in record.columns:
+                raise ValueError(f"{where}: missing column {column!r} (other rows have it)")
+            value = record.columns[column]
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{where}: column {column!r} is a JSON {_json_kind(value)}, expected a string")
+            column_values.append(value or "")
+    lines = [record.number for record in records] if records and records[0].unit == "line" else None
+    if len(columns) == 1:
+        return TextRows(values[0], None, None, str(path), lines)
+    return TextRows(None, values[0], values[1], str(path), lines)
 
 
 def _rows_of(table: datasets.Dataset, columns: tuple[str, ...], source: str) -> TextRows:
@@ -256,14 +407,14 @@ def encode_rows(
     for index, (context, target) in enumerate(zip(contexts, targets)):
         if not str(target).strip():
             what = "response" if rows.responses is not None else "text"
-            raise ValueError(f"{rows.source}, row {index + 1}: empty {what}")
+            raise ValueError(f"{_row(rows, index)}: empty {what}")
         prompt_ids = tokenizer.encode(str(context)) if context else []
         target_ids = tokenizer.encode(str(target), add_special_tokens=not prompt_ids) + [eos]
         ids, trained = prompt_ids + target_ids, [0] * len(prompt_ids) + [1] * len(target_ids)
         if len(ids) > max_length:
             if overlength == "refuse" or len(prompt_ids) + 1 >= max_length:
                 raise ValueError(
-                    f"{rows.source}, row {index + 1}: {len(ids)} tokens, longer than data.max_length={max_length}"
+                    f"{_row(rows, index)}: {len(ids)} tokens, longer than data.max_length={max_length}"
                     + (
                         " (set data.overlength=truncate to cut it)"
                         if overlength == "refuse"
@@ -273,3 +424,30 @@ def encode_rows(
             ids, trained = ids[:max_length], trained[:max_length]
         examples.append(TextExample(input_ids=ids, loss_mask=trained))
     return examples
+
+
+def _row(rows: TextRows, index: int) -> str:
+    """Where row ``index`` (0-based) is, for a message: ``file, row 3``, and its line where that differs."""
+    line = rows.lines[index] if rows.lines is not None else index + 1
+    return f"{rows.source}, row {index + 1}" + (f" (line {line})" if line != index + 1 else "")
+
+
+def _warn_ignored_options(options: Mapping[str, Any]) -> None:
+    """Warn once for each TextDataModule option that was changed from its default but that this data ignores."""
+    local, builtin = options["train_file"] is not None, options["dataset"] == BUILTIN
+    ignored: dict[str, str] = {}
+    if local and not builtin:
+        ignored["dataset"] = "data.train_file and data.val_file are read instead"
+    if builtin and not local:
+        ignored |= dict.fromkeys(("tokenizer", "gguf_file"), "the builtin corpus has its own tokenizer")
+        ignored |= dict.fromkeys(
+            ("text_column", "prompt_column", "response_column"), "the builtin corpus is plain text without columns"
+        )
+    else:
+        ignored |= dict.fromkeys(("builtin_train_size", "builtin_val_size", "seed"), "only the builtin corpus uses it")
+        if options["prompt_column"] is not None:
+            ignored["text_column"] = "instruction data reads data.prompt_column and data.response_column"
+    defaults = inspect.signature(TextDataModule.__init__).parameters
+    for name, why in ignored.items():
+        if options[name] != defaults[name].default:
+            rank_zero_warn(f"data.{name}={options[name]!r} is ignored: {why}")

@@ -18,6 +18,8 @@ from dplit.backbone import check_gguf_file, unloadable_message
 
 END_OF_TEXT = "<|endoftext|>"
 UNKNOWN = "<unk>"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "vocab.json", "tokenizer.model")
+"""The usual files of a local tokenizer folder (named when a folder fails to load without any of them)."""
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str], gguf_file: str | None = None) -> PreTrainedTokenizerBase:
@@ -35,8 +37,13 @@ def load_tokenizer(name_or_path: str | os.PathLike[str], gguf_file: str | None =
 
     Returns:
         The tokenizer.
+
+    Raises:
+        ValueError: one line naming ``data.tokenizer`` or ``data.gguf_file`` for a missing folder, a file given
+            where a folder is expected, or a tokenizer that does not load (a folder without tokenizer files).
     """
-    folder = Path(name_or_path)
+    folder = Path(name_or_path).expanduser()
+    check_tokenizer_path(str(name_or_path), gguf_file)
     if gguf_file is not None:
         check_gguf_file(str(folder), gguf_file, "data")
         tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
@@ -46,10 +53,41 @@ def load_tokenizer(name_or_path: str | os.PathLike[str], gguf_file: str | None =
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
         except (OSError, ValueError) as error:
-            raise ValueError(unloadable_message(str(name_or_path), "data.tokenizer", error)) from error
+            if folder.is_dir() and not _has_tokenizer_files(folder):
+                files = ", ".join(TOKENIZER_FILES)
+                message = f"data.tokenizer={str(name_or_path)!r}: the folder has no tokenizer files ({files})"
+            else:
+                message = unloadable_message(str(name_or_path), "data.tokenizer", error)
+            raise ValueError(" ".join(message.split())) from error  # one line
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_tokenizer_path(name_or_path: str, gguf_file: str | None = None) -> None:
+    """Refuse a local ``data.tokenizer`` that is missing or a file instead of a folder, naming the flag.
+
+    A name that does not exist locally and does not start with ``.``, ``/`` or ``~`` is a hub name, left to the hub.
+    With ``gguf_file``, ``name_or_path`` must be the local folder holding it.
+    """
+    path = Path(name_or_path).expanduser()
+    flag = f"data.tokenizer={name_or_path!r}"
+    if not path.exists():
+        if gguf_file is not None:
+            raise ValueError(f"{flag}: no such folder (with data.gguf_file it is the folder holding the GGUF file)")
+        if name_or_path.startswith((".", "/", "~")):
+            raise ValueError(f"{flag}: no such folder")
+        return
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            hint = f"set data.tokenizer={str(path.parent)!r} and data.gguf_file={path.name!r}"
+            raise ValueError(f"{flag}: is a GGUF file, expected its folder; {hint}")
+        hint = f" such as {str(path.parent)!r}" if _has_tokenizer_files(path.parent) else ""
+        raise ValueError(f"{flag}: is a file, expected a tokenizer folder{hint}")
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
 def build_word_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
