@@ -92,6 +92,7 @@ class DPLitCLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
             check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
+            check_gguf_files(self.config[subcommand])
             if subcommand == "fit":
                 check_privacy_choice(self.config[subcommand])
 
@@ -162,6 +163,16 @@ def check_privacy_choice(config: Any) -> None:
         )
     if private and config.get("non_private"):
         raise ValueError("--non_private true contradicts trainer.strategy=DPStrategy: drop one of them")
+
+
+def check_gguf_files(config: Any) -> None:
+    """Refuse a tokenizer and a model taken from different GGUF files (Lightning would also stop on the clash)."""
+    model, data = config["model"].get("gguf_file"), config["data"].get("gguf_file")
+    if model != data:
+        raise ValueError(
+            f"model.gguf_file={model!r} and data.gguf_file={data!r} differ: the tokenizer must come from the "
+            "model's own GGUF file, so set both to the same file (or neither)"
+        )
 
 
 def _is_dp_strategy(strategy: Any) -> bool:

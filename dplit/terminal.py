@@ -8,6 +8,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TextIO
 
 from dplit.privacy.warnings import PrivacyWarning
@@ -50,14 +51,20 @@ def show_warning(
     message: Warning | str, category: type[Warning], filename: str, lineno: int, file: TextIO | None = None,
     line: str | None = None,
 ) -> None:  # fmt: skip
-    """``warnings.showwarning`` for the terminal: a :class:`PrivacyWarning` as one ``dplit: WARNING:`` line."""
+    """``warnings.showwarning`` for the terminal: a :class:`PrivacyWarning` as one ``dplit: WARNING:`` line.
+
+    dplit's other warnings are one ``dplit: warning:`` line; dependencies' keep Python's format.
+    """
+    text = " ".join(str(message).split())
     if issubclass(category, PrivacyWarning):
-        print(f"dplit: WARNING: {' '.join(str(message).split())}", file=file or sys.stderr)
-        return
-    _default_show_warning(message, category, filename, lineno, file, line)
+        print(f"dplit: WARNING: {text}", file=file or sys.stderr)
+    elif Path(filename).resolve().is_relative_to(_PACKAGE):
+        print(f"dplit: warning: {text}", file=file or sys.stderr)
+    else:
+        (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-_default_show_warning = warnings.showwarning
+_PACKAGE = Path(__file__).resolve().parent
 
 
 @contextmanager

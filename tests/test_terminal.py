@@ -1,0 +1,57 @@
+"""What a user sees at the terminal: privacy warnings that stand out, no noise they cannot act on."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from dplit.cli import run_cli
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.terminal import show_warning, terminal_output
+from tests.test_cli import quickstart_args
+
+NOISE = ("💡 Tip", "LeafSpec", "Initializing distributed", "All distributed processes registered",
+         "Loading `train_dataloader` to estimate", "Optimal order is the largest alpha", "bos_token_id", "Traceback")  # fmt: skip
+
+
+def test_a_privacy_warning_is_one_prominent_line() -> None:
+    out = io.StringIO()
+    show_warning(PrivacyWarning("no noise:\n not private"), PrivacyWarning, "/elsewhere/x.py", 3, file=out)
+    assert out.getvalue() == "dplit: WARNING: no noise: not private\n"
+
+
+def test_dplits_own_warning_is_one_line_and_a_dependencys_keeps_its_format() -> None:
+    ours, theirs = io.StringIO(), io.StringIO()
+    show_warning(UserWarning("data.seed is ignored"), UserWarning, str(Path(sys.modules["dplit"].__file__)), 1, file=ours)
+    show_warning(UserWarning("deprecated"), DeprecationWarning, "/site-packages/lib.py", 7, file=theirs)
+    assert ours.getvalue() == "dplit: warning: data.seed is ignored\n"
+    assert "lib.py:7: DeprecationWarning: deprecated" in theirs.getvalue()
+
+
+def test_unactionable_warnings_are_dropped_and_privacy_warnings_are_never(capsys: pytest.CaptureFixture) -> None:
+    with warnings.catch_warnings(), terminal_output():
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", UserWarning, stacklevel=1)
+        warnings.warn("no noise", PrivacyWarning, stacklevel=1)
+        warnings.warn("no noise", PrivacyWarning, stacklevel=1)  # every time, not once per location
+    assert capsys.readouterr().err == "dplit: WARNING: no noise\n" * 2
+
+
+def test_differing_gguf_files_are_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"model.gguf_file=None and data.gguf_file='x.gguf' differ"):
+        run_cli(["fit", *quickstart_args(tmp_path, "--data.gguf_file", "x.gguf")])
+
+
+def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: Path) -> None:
+    executable = Path(sys.executable).with_name("dplit")
+    command = [str(executable) if executable.exists() else "dplit", "fit",
+               *quickstart_args(tmp_path, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "DP-SGD: σ=" in output and "self-check passed" in output
+    assert not [noise for noise in NOISE if noise in output], output
