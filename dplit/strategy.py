@@ -22,16 +22,13 @@ from typing_extensions import override
 
 from dplit.privacy import GhostEngine, build_engine
 from dplit.privacy.accountant import (
+    DELTA_MAX,
     Mechanism,
     PrivacyAccountant,
     calibrate_noise_multiplier,
+    check_accountable,
     default_delta,
 )
-try:  # TEMP-SHIM until accountant.check_accountable lands
-    from dplit.privacy.accountant import check_accountable
-except ImportError:
-    def check_accountable(**_: object) -> None:
-        return None
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.ledger import RunLedger, ledger_folders
@@ -428,8 +425,8 @@ def _check_privacy_arguments(
         raise ValueError(f"DPStrategy.noise_multiplier must be a finite number ≥ 0, got {noise_multiplier}")
     if target_epsilon is not None and not (math.isfinite(target_epsilon) and target_epsilon > 0):
         raise ValueError(f"DPStrategy.target_epsilon must be a finite number > 0, got {target_epsilon}")
-    if target_delta is not None and not 0 < target_delta < 1:
-        raise ValueError(f"DPStrategy.target_delta must be in (0, 1), got {target_delta}")
+    if target_delta is not None and not 0 < target_delta <= DELTA_MAX:
+        raise ValueError(f"DPStrategy.target_delta must be in (0, {DELTA_MAX}], got {target_delta}")
 
 
 def _check_delta(delta: float, dataset_size: int, *, allowed: bool) -> None:
