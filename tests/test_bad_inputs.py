@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from dplit.strategy import DPStrategy
+from tests.executable import dplit_executable, user_environment
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
 from tests.test_cli import CONFIGS, TINY, quickstart_args
 from tests.test_strategy import make_model
@@ -186,11 +186,6 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
 ]  # fmt: skip
 
 
-def _dplit() -> str:
-    executable = Path(sys.executable).with_name("dplit")
-    return str(executable) if executable.exists() else "dplit"
-
-
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_bpe_dir: Path) -> dict[str, tuple[int, str, Path]]:
     """Every catalogue row run through the real executable: id → (exit code, stdout + stderr, run folder)."""
@@ -199,8 +194,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_bpe_dir: Path) -> di
         name, setup, _ = row
         folder = tmp_path_factory.mktemp(name)
         (folder / "scratch").mkdir()
-        command = [_dplit(), *setup(folder / "scratch", tiny_bpe_dir, folder / "run")]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, check=False)
+        command = [dplit_executable(), *setup(folder / "scratch", tiny_bpe_dir, folder / "run")]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, check=False, env=user_environment())
         return name, (result.returncode, result.stdout + result.stderr, folder / "run")
 
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:

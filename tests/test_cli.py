@@ -14,6 +14,7 @@ import yaml
 from dplit.cli import run_cli
 from dplit.embeddings import is_tied
 from dplit.strategy import DPStrategy
+from tests.executable import dplit_executable, user_environment
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
 
 CONFIGS = Path(__file__).parents[1] / "configs"
@@ -145,7 +146,7 @@ def test_gradient_clipping_beside_dp_is_refused_naming_the_flag(tmp_path: Path) 
 
 
 def test_python_dash_m_and_console_script_entry(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "dplit", "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "dplit", "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "fit" in result.stdout and "validate" in result.stdout
 
 
@@ -243,12 +244,11 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
     ],
 )
 def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra: list[str], message: str) -> None:
-    executable = Path(sys.executable).with_name("dplit")
-    command = [str(executable) if executable.exists() else "dplit", "fit", *quickstart_args(tmp_path, *extra)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    command = [dplit_executable(), "fit", *quickstart_args(tmp_path, *extra)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=user_environment())
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output
     errors = [line for line in output.splitlines() if line.startswith("dplit: error:")]
     assert len(errors) == 1 and message in errors[0]
-    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300)
+    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300, check=False, env=user_environment())
     assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr

@@ -6,7 +6,6 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from dplit.cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
+from tests.executable import dplit_executable, user_environment
 from tests.test_cli import quickstart_args, steps
 from tests.test_strategy import CrashAtStep, fit, make_model
 from tests.tiny import RandomTokenData
@@ -191,11 +191,10 @@ def test_subcommands_that_cannot_work_are_not_offered(subcommand: str, tmp_path:
 
 def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path) -> None:
     """SIGINT to the real executable mid-run: interrupted.ckpt holds exactly the steps the ledger file counts."""
-    executable = Path(sys.executable).with_name("dplit")
     sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
-    command = [str(executable) if executable.exists() else "dplit", "fit", *quickstart_args(tmp_path, *sigma,
+    command = [dplit_executable(), "fit", *quickstart_args(tmp_path, *sigma,
                "--trainer.max_steps", "200", "--trainer.limit_val_batches", "0")]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_environment())
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         ledgers = list(tmp_path.rglob("privacy_ledger.json"))

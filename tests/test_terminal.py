@@ -13,6 +13,7 @@ import pytest
 from dplit.cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.terminal import show_warning, terminal_output
+from tests.executable import dplit_executable, user_environment
 from tests.test_cli import quickstart_args
 
 NOISE = ("💡 Tip", "LeafSpec", "Initializing distributed", "All distributed processes registered",
@@ -47,10 +48,9 @@ def test_differing_gguf_files_are_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: Path) -> None:
-    executable = Path(sys.executable).with_name("dplit")
-    command = [str(executable) if executable.exists() else "dplit", "fit",
+    command = [dplit_executable(), "fit",
                *quickstart_args(tmp_path, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=user_environment())
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "DP-SGD: σ=" in output and "self-check passed" in output

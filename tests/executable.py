@@ -1,0 +1,23 @@
+"""Running the real ``dplit`` executable as a user would: its path, and an environment free of this test run's DDP."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK")
+
+
+def dplit_executable() -> str:
+    """The ``dplit`` console script beside this interpreter (else the one on ``PATH``)."""
+    executable = Path(sys.executable).with_name("dplit")
+    return str(executable) if executable.exists() else "dplit"
+
+
+def user_environment() -> dict[str, str]:
+    """``os.environ`` without the launch variables earlier in-process DDP tests left (Lightning sets MASTER_PORT).
+
+    Subprocesses that inherit one MASTER_PORT would all try to listen on it and fail with EADDRINUSE.
+    """
+    return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES and not key.startswith("PL_")}
