@@ -157,7 +157,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("delta-above-one-over-n", flags("--trainer.strategy.init_args.target_delta", "0.1"), r"target_delta=0.1 is ≥ 1/N .*allow_large_delta"),
     ("target-epsilon-beyond-any-guarantee", flags("--trainer.strategy.init_args.target_epsilon", "1e6"), r"^DPStrategy.target_epsilon=1e\+06 must be in \(0, 100\]"),
     ("noise-multiplier-too-small-for-prv", flags("--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1e-6"), r"^DPStrategy.noise_multiplier=1e-06 is too small for DPStrategy.accountant='prv' .* use noise_multiplier ≥"),
-    ("target-epsilon-out-of-reach", flags("--trainer.strategy.init_args.target_epsilon", "0.05", "--data.batch_size", "100", "--trainer.max_epochs", "500"), r"^DPStrategy.target_epsilon=0.05 cannot be reached .* raise target_epsilon"),
+    ("target-epsilon-out-of-reach", flags("--trainer.strategy.init_args.target_epsilon", "0.05", "--trainer.strategy.init_args.target_delta", "1e-5", "--data.batch_size", "100", "--trainer.max_epochs", "500"), r"^DPStrategy.target_epsilon=0.05 cannot be reached .* raise target_epsilon"),
     ("delta-opacus-cannot-compute", flags("--trainer.strategy.init_args.target_delta", "0.99", "--trainer.strategy.init_args.allow_large_delta", "true"), r"target_delta must be in \(0, 0.1\]"),
     ("ckpt-path-last-without-checkpoint", flags("--ckpt_path", "last"), r"--ckpt_path last: no checkpoint under .* nothing to resume"),
     ("predict-subcommand", lambda scratch, tokenizer, run: ["predict", *quickstart_args(run)], r"invalid choice: 'predict'"),
