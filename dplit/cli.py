@@ -93,13 +93,8 @@ class DPLitCLI(LightningCLI):
         if subcommand is not None:
             check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
             check_gguf_files(self.config[subcommand])
-            if subcommand == "fit":
-                check_privacy_choice(self.config[subcommand])
-
-    @override
-    def before_instantiate_classes(self) -> None:
-        if self.subcommand == "fit" and self.config[self.subcommand].get("non_private"):
-            rank_zero_warn(NON_PRIVATE_WARNING, category=PrivacyWarning)
+            if subcommand == "fit" and not check_privacy_choice(self.config[subcommand]):
+                rank_zero_warn(NON_PRIVATE_WARNING, category=PrivacyWarning)
 
     def before_fit(self) -> None:
         """Resolve ``--ckpt_path last`` and record in the logged hyperparameters whether the run is private."""
@@ -151,8 +146,8 @@ NON_PRIVATE_WARNING = (
 )
 
 
-def check_privacy_choice(config: Any) -> None:
-    """Refuse a ``fit`` whose strategy is not :class:`DPStrategy` unless ``--non_private true`` says so (and vice versa)."""
+def check_privacy_choice(config: Any) -> bool:
+    """Whether a ``fit`` is private; refuse one without :class:`DPStrategy` unless ``--non_private true`` (and vice versa)."""
     strategy = config["trainer"].get("strategy")
     private = _is_dp_strategy(strategy)
     shown = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", type(strategy).__name__)
@@ -163,6 +158,7 @@ def check_privacy_choice(config: Any) -> None:
         )
     if private and config.get("non_private"):
         raise ValueError("--non_private true contradicts trainer.strategy=DPStrategy: drop one of them")
+    return private
 
 
 def check_gguf_files(config: Any) -> None:

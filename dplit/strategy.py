@@ -215,11 +215,12 @@ class DPStrategy(DDPStrategy):
             rank_zero_warn(NO_NOISE_WARNING, category=PrivacyWarning)
         self._steps_at_start = self._ledger.steps
         self._interrupt_path = _checkpoint_folder(trainer, log_dir) / INTERRUPT_CHECKPOINT
+        spent = self._ledger.accountant.epsilon() if self._steps_at_start else 0.0
         if self._steps_at_start:  # a resumed run always has a ledger file, even if it takes no step
-            self._log_privacy(self._ledger.accountant.epsilon(), log=False)
+            self._ledger.write(self._privacy_facts(), epsilon=spent)
         self._next_epsilon = self._epsilon_after(1)
         if self.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
-            self._stop(self._next_epsilon, steps_done=trainer.global_step)
+            self._stop(spent, self._next_epsilon, steps_done=trainer.global_step)
 
     def _open_ledger(self, delta: float, planned: float, log_dir: str | None) -> None:
         """Open the ledger, continuing this run's newest ledger file if it counted steps the checkpoint missed."""
@@ -320,7 +321,7 @@ class DPStrategy(DDPStrategy):
         self._log_privacy(epsilon)
         self._next_epsilon = following
         if stop:
-            self._stop(following, steps_done=self.lightning_module.trainer.global_step + 1)
+            self._stop(epsilon, following, steps_done=self.lightning_module.trainer.global_step + 1)
 
     def _epsilon_after(self, steps: int) -> float:
         """ε after ``steps`` more steps at this run's (σ, q)."""
@@ -331,7 +332,7 @@ class DPStrategy(DDPStrategy):
     def _exceeds(self, epsilon: float | None) -> bool:
         return self._target_epsilon is not None and epsilon is not None and epsilon > self._target_epsilon * (1 + 1e-9)
 
-    def _stop(self, next_epsilon: float | None, *, steps_done: int) -> None:
+    def _stop(self, spent: float, next_epsilon: float | None, *, steps_done: int) -> None:
         """Stop before a step that would spend more than ``target_epsilon``: a refused step is never taken.
 
         Says so unless the plan ends here anyway (``steps_done``: the trainer's steps once this one is counted).
@@ -340,9 +341,8 @@ class DPStrategy(DDPStrategy):
         trainer.should_stop = True
         if steps_done >= trainer.estimated_stepping_batches:
             return
-        assert self._ledger.accountant is not None
         rank_zero_warn(
-            f"DP-SGD: privacy budget spent: ε={self._ledger.accountant.epsilon():.4f} of "
+            f"DP-SGD: privacy budget spent: ε={spent:.4f} of "
             f"target_epsilon={self._target_epsilon} after {self._ledger.steps} DP steps; the next step would "
             f"spend ε={next_epsilon:.4f}, so training stops here",
             category=PrivacyWarning,
@@ -359,9 +359,8 @@ class DPStrategy(DDPStrategy):
             dist.all_reduce(self._buffer.flat, op=dist.ReduceOp.SUM)  # same bits on every rank, as DDP's
         self._buffer.refuse_non_finite(step=self._ledger.steps + 1)
 
-    def _log_privacy(self, epsilon: float, log: bool = True) -> None:
-        if log:
-            _log_spend(self.lightning_module, epsilon, float(self._noise_multiplier or 0.0), self._ledger.steps)
+    def _log_privacy(self, epsilon: float) -> None:
+        _log_spend(self.lightning_module, epsilon, float(self._noise_multiplier or 0.0), self._ledger.steps)
         self._ledger.write(self._privacy_facts(), epsilon=epsilon)
 
     def _privacy_facts(self) -> dict[str, Any]:

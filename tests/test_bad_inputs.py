@@ -85,13 +85,18 @@ def sst2_files(train: str | bytes | None, dev: str) -> Callable[[Path, Path], li
     return setup
 
 
+def _filled(extra: tuple[str, ...], scratch: Path, tokenizer: Path) -> list[str]:
+    """``extra`` with ``{scratch}`` and ``{tokenizer}`` replaced by those folders."""
+    return [arg.format(scratch=scratch, tokenizer=tokenizer) for arg in extra]
+
+
 def sst2_row(train: str | bytes, *extra: str, data_dir: Callable[[Path], str] | None = None) -> Setup:
     """SST-2 run with these train.tsv contents (good dev.tsv), then ``extra`` ({scratch}/{tokenizer} filled in)."""
 
     def setup(scratch: Path, tokenizer: Path) -> list[str]:
         args = sst2_files(train, GOOD_TSV)(scratch, tokenizer)
         override = ["--data.data_dir", data_dir(scratch)] if data_dir else []
-        return [*args, *override, *(arg.format(scratch=scratch, tokenizer=tokenizer) for arg in extra)]
+        return [*args, *override, *_filled(extra, scratch, tokenizer)]
 
     return with_files(setup)
 
@@ -104,7 +109,7 @@ def lm_files(name: str, train: str | bytes, *extra: str) -> Setup:
         path.write_bytes(train if isinstance(train, bytes) else train.encode())
         (scratch / "val.jsonl").write_text('{"text": "It was great."}\n')
         files = ["--data.tokenizer", str(tokenizer), "--data.train_file", str(path), "--data.val_file", str(scratch / "val.jsonl")]
-        return ["lm", "fit", *lm_args(run), *files, *(arg.format(scratch=scratch, tokenizer=tokenizer) for arg in extra)]
+        return ["lm", "fit", *lm_args(run), *files, *_filled(extra, scratch, tokenizer)]
 
     return setup
 

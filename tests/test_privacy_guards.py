@@ -17,6 +17,7 @@ import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from dplit.cli import run_cli
+from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from tests.executable import dplit_executable, user_environment
@@ -212,4 +213,4 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
 
 
 def _steps(ledger: dict[str, Any]) -> int:
-    return sum(int(count) for _, _, count in ledger["accountant"]["history"])
+    return history_steps(ledger["accountant"]["history"])

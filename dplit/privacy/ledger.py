@@ -78,8 +78,7 @@ class RunLedger:
         """DP steps taken so far (those of the restored checkpoint before :meth:`open`)."""
         if self.accountant is not None:
             return self.accountant.steps
-        history = self._restored["accountant"]["history"] if self._restored else []
-        return sum(int(count) for _, _, count in history)
+        return history_steps(self._restored["accountant"]["history"]) if self._restored else 0
 
     def open(self, *, delta: float, mechanism: Mechanism, directory: str | None) -> PrivacyAccountant:
         """Start the accountant (continuing a restored ledger); the file goes to ``directory`` (``None``: no file)."""
@@ -106,22 +105,25 @@ class RunLedger:
         if not records:
             return None
         path, state = max(records, key=lambda record: record[0].stat().st_mtime)
-        recorded = PrivacyAccountant(delta=self.accountant.delta, mechanism=state["accountant"]["mechanism"])
-        recorded.load_state_dict(state["accountant"])
-        extra = recorded.steps - self.accountant.steps
-        if extra <= 0:
+        checkpoint, recorded = self.accountant.steps, history_steps(state["accountant"]["history"])
+        if recorded <= checkpoint:
             return None
         self.accountant.load_state_dict(state["accountant"])
         return (
-            f"DP-SGD: the checkpoint's ledger has {recorded.steps - extra} DP steps, but this run's newest ledger "
-            f"{path} records {recorded.steps}: the model of the last {extra} steps is discarded, but those steps "
-            f"touched the data and stay counted (ε continues from {recorded.steps} steps)"
+            f"DP-SGD: the checkpoint's ledger has {checkpoint} DP steps, but this run's newest ledger {path} records "
+            f"{recorded}: the model of the last {recorded - checkpoint} steps is discarded, but those steps touched "
+            f"the data and stay counted (ε continues from {recorded} steps)"
         )
 
     def write(self, facts: dict[str, Any], *, epsilon: float) -> None:
         """Replace the ledger file with the current state and ε (no-op without a directory)."""
         if self._directory is not None:
             write_ledger(self._directory, self.state(facts), epsilon=epsilon)
+
+
+def history_steps(history: Iterable[tuple[float, float, int]]) -> int:
+    """The number of DP steps in an accountant history of (σ, q, steps) entries."""
+    return sum(int(count) for _, _, count in history)
 
 
 def _read_record(path: Path) -> tuple[Path, dict[str, Any]] | None:
