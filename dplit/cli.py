@@ -49,7 +49,18 @@ def essential_error(message: str) -> str:
         noise = not text or text.startswith(_UNION_NOISE)
         if not noise and ("DPStrategy" in text or "must be" in text or "set exactly one" in text):
             return text
+    if key is not None and "Errors:" in message:
+        return _union_error(key["key"], message)
     return message
+
+
+def _union_error(key: str, message: str) -> str:
+    """``key: <why>`` from jsonargparse's dump of a value that matches no type of a union (``X | None``)."""
+    errors = message.split("Errors:", 1)[1].splitlines()
+    reasons = [line.strip().lstrip("- ").strip() for line in errors if line.strip().startswith("- ")]
+    reasons = [reason for reason in reasons if not reason.startswith("Expected a <class 'NoneType'>")]
+    hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "PeftConfig" in message else ""
+    return f"{key}: {reasons[0] if reasons else 'invalid value'}{hint}"
 
 
 class DPLitArgumentParser(LightningArgumentParser):

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
+from dplit.adapters import AdapterConfig
 from dplit.embeddings import EmbeddingPolicy
 from dplit.module import Batch, CausalLMModule, positions_of
 
@@ -38,6 +39,10 @@ class CausalLanguageModel(CausalLMModule):
             ``sample_tokens`` more, fit the backbone's position limit (checked once the tokenizer is known).
         sample_tokens: tokens generated per sample (≥ 1).
         dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
+        peft: a peft adapter config, applied after the embedding policy (base weights frozen), e.g.
+            ``{class_path: peft.LoraConfig, init_args: {r: 8, target_modules: [q_proj, v_proj]}}``.
+        train_embeddings: whether the input/output embedding (tied: the one shared matrix; untied: both) is
+            trained; ``None``: trained in full fine-tuning, frozen beside ``peft`` adapters (as peft does).
         freeze: parameter-name prefixes to freeze (some parameter must stay trainable).
         attn_implementation: ``"eager"`` or ``"sdpa"`` (not with ``clipping="per_example"``).
         lr: AdamW peak learning rate (finite, > 0).
@@ -59,6 +64,8 @@ class CausalLanguageModel(CausalLMModule):
         sample_prompts: list[str] | None = None,
         sample_tokens: int = 16,
         dropout: float | None = 0.0,
+        peft: AdapterConfig | None = None,
+        train_embeddings: bool | None = None,
         freeze: list[str] | None = None,
         attn_implementation: Literal["eager", "sdpa"] = "eager",
         lr: float = 5e-4,
@@ -81,6 +88,8 @@ class CausalLanguageModel(CausalLMModule):
             max_length=max_length,
             dropout=dropout,
             attn_implementation=attn_implementation,
+            peft=peft,
+            train_embeddings=train_embeddings,
         )
         self.freeze_prefixes(freeze or [])
         self._sample_prompts = list(DEFAULT_SAMPLE_PROMPTS if sample_prompts is None else sample_prompts)

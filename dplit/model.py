@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
+from dplit.adapters import AdapterConfig
 from dplit.embeddings import EmbeddingPolicy, embedding_pair
 from dplit.module import Batch, CausalLMModule, positions_of
 
@@ -35,6 +36,10 @@ class CausalLMClassifier(CausalLMModule):
         max_length: the longest sequence the data will feed (linked from ``data.max_length``); refused when
             above the backbone's position limit (``max_position_embeddings`` / GPT-2's ``n_positions``).
         dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
+        peft: a peft adapter config, applied after the embedding policy (base weights frozen), e.g.
+            ``{class_path: peft.LoraConfig, init_args: {r: 8, target_modules: [q_proj, v_proj]}}``.
+        train_embeddings: whether the input/output embedding (tied: the one shared matrix; untied: both) is
+            trained; ``None``: trained in full fine-tuning, frozen beside ``peft`` adapters (as peft does).
         freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``; each must match a
             parameter, and some parameter must stay trainable.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
@@ -59,6 +64,8 @@ class CausalLMClassifier(CausalLMModule):
         task: str | None = None,
         max_length: int | None = None,
         dropout: float | None = 0.0,
+        peft: AdapterConfig | None = None,
+        train_embeddings: bool | None = None,
         freeze: list[str] | None = None,
         attn_implementation: Literal["eager", "sdpa"] = "eager",
         lr: float = 5e-4,
@@ -78,6 +85,8 @@ class CausalLMClassifier(CausalLMModule):
             max_length=max_length,
             dropout=dropout,
             attn_implementation=attn_implementation,
+            peft=peft,
+            train_embeddings=train_embeddings,
         )
         inputs, outputs = embedding_pair(self.backbone)
         _check_label_words(head, label_word_ids, outputs.weight.shape[0])

@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from dplit.adapters import adapter_hyperparameter, apply_adapters, set_embeddings_trainable, trainable_counts
 from dplit.backbone import build_causal_lm
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
 
@@ -37,11 +39,15 @@ class CausalLMModule(LightningModule):
         max_length: int | None,
         dropout: float | None,
         attn_implementation: str,
+        peft: Any = None,
+        train_embeddings: bool | None = None,
     ) -> None:
-        """Check the optimizer settings, build ``self.backbone`` and apply the embedding policy.
+        """Check the optimizer settings, build ``self.backbone``, apply the embedding policy, then the adapters.
 
         The backbone comes from :func:`dplit.backbone.build_causal_lm`; the optimizer settings are the saved
         hyperparameters, refused here (see :func:`check_optimizer_settings`) rather than at the first step.
+        ``peft`` (a ``peft.PeftConfig``) injects adapters and freezes the base weights; ``train_embeddings``
+        then trains or freezes the input/output embedding (``None``: trained without adapters, frozen beside them).
         """
         hp = self.hparams
         check_optimizer_settings(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.lr_schedule)
@@ -56,6 +62,11 @@ class CausalLMModule(LightningModule):
         )
         _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
+        if peft is not None:
+            apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
+            self.hparams["peft"] = adapter_hyperparameter(peft)  # plain types: checkpoints load with weights_only
+        elif train_embeddings is not None:
+            set_embeddings_trainable(self.backbone, train_embeddings)
 
     @property
     def max_positions(self) -> int | None:
@@ -87,9 +98,12 @@ class CausalLMModule(LightningModule):
 
     @override
     def on_fit_start(self) -> None:
-        """Record the embedding policy (e.g. ``UntiedEmbeddings(init='copy')``) as a hyperparameter."""
+        """Log what is trained (adapter, embedding, other parameters) and record it and the embedding policy."""
+        counts = trainable_counts(self, self.backbone)
+        rank_zero_info(counts.describe())
+        facts = {f"trainable/{kind}": value for kind, value in vars(counts).items()}
         for logger in self.loggers:
-            logger.log_hyperparams({"embedding_policy": repr(self.embeddings)})
+            logger.log_hyperparams({"embedding_policy": repr(self.embeddings), **facts})
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -18,6 +18,7 @@ UNACTIONABLE_WARNINGS = (
     r"Optimal order is the largest alpha",  # opacus' RDP analysis inside the PRV accountant and σ calibration
     r"The '(train|val)_dataloader' does not have many workers",  # workers do not help tokenised in-memory data
     r"LightningCLI's args parameter is intended",  # dplit passes its own command line on
+    r"`loftq_config` specified but will be ignored",  # the CLI fills peft.LoraConfig's default LoftQ settings in
     # Poisson sampling draws every batch afresh, so resuming mid-epoch (an interrupt checkpoint) loses nothing:
     r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
 )

@@ -50,6 +50,12 @@ def lm_args(run: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def lora_on(*modules: str) -> str:
+    """``--model.peft`` for rank-4 LoRA on ``modules``."""
+    targets = ", ".join(f'"{module}"' for module in modules)
+    return f'{{"class_path": "peft.LoraConfig", "init_args": {{"r": 4, "target_modules": [{targets}]}}}}'
+
+
 def with_files(setup: Callable[[Path, Path], list[str]]) -> Setup:
     """A classifier row whose extra flags need files written into the scratch folder."""
     return lambda scratch, tokenizer, run: ["fit", *quickstart_args(run), *setup(scratch, tokenizer)]
@@ -188,7 +194,26 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("jsonl-only-blank-lines", lm_files("train.jsonl", "\n  \n\n"), r"train\.jsonl: no examples \(only blank lines\)$"),
     ("train-file-is-a-directory", lm_files("train.jsonl", '{"text": "fine"}\n', "--data.train_file", "{scratch}"), r"^data.train_file='.*': is a directory, expected a .jsonl/.json/.csv/.txt file$"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
+    # peft adapters
+    ("peft-not-a-peft-config", flags("--model.peft", '{"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}'), r"^model\.peft: Import path torch\.nn\.Linear does not correspond to a subclass of PeftConfig"),
+    ("peft-target-modules-match-nothing", flags("--model.peft", lora_on("q_proj")), r"^model\.peft: Target modules \{'q_proj'\} not found in the base model"),
+    ("lora-on-an-embedding", flags("--model.peft", lora_on("wte")), r"^trainable parameter 'backbone\.transformer\.wte\.lora_embedding_A\.default' .*peft\.tuners\.lora\.layer\.Embedding.*target_modules"),
+    ("peft-method-no-rule-covers", flags("--model.peft", '{"class_path": "peft.IA3Config", "init_args": {"target_modules": ["c_attn"], "feedforward_modules": []}}'), r"^trainable parameter '.*c_attn\.ia3_l\.default' .*peft\.tuners\.ia3\.layer\.Linear"),
+    ("peft-prompt-learning", flags("--model.peft", '{"class_path": "peft.PrefixTuningConfig", "init_args": {"num_virtual_tokens": 4}}'), r"^model\.peft: PrefixTuningConfig is a prompt-learning method"),
+    ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
+    ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
 ]  # fmt: skip
+
+
+def without_peft(scratch: Path) -> dict[str, str]:
+    """An environment in which ``import peft`` fails, as on a machine where it is not installed."""
+    (scratch / "no-peft" / "peft").mkdir(parents=True)
+    (scratch / "no-peft" / "peft" / "__init__.py").write_text('raise ImportError("No module named \'peft\'")\n')
+    return {"PYTHONPATH": str(scratch / "no-peft")}
+
+
+ROW_ENVIRONMENTS: dict[str, Callable[[Path], dict[str, str]]] = {"peft-not-installed": without_peft}
+"""Rows that need more than the user's environment, by id: the variables they add (given the scratch folder)."""
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +225,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory, tiny_bpe_dir: Path) -> di
         folder = tmp_path_factory.mktemp(name)
         (folder / "scratch").mkdir()
         command = [dplit_executable(), *setup(folder / "scratch", tiny_bpe_dir, folder / "run")]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, check=False, env=user_environment())
+        environment = {**user_environment(), **ROW_ENVIRONMENTS.get(name, lambda scratch: {})(folder / "scratch")}
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=folder, check=False, env=environment)
         return name, (result.returncode, result.stdout + result.stderr, folder / "run")
 
     with ThreadPoolExecutor(PARALLEL_RUNS) as pool:

@@ -84,7 +84,11 @@ def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path,
     cli = run_cli(["fit", *glue_args(config, tmp_path, tiny_bpe_dir)])
     assert cli.trainer.strategy.accountant.steps == 1
     assert cli.model.hparams.task == config_task(config)
-    assert is_tied(cli.model.backbone) == config.stem.endswith("_tied")
+    embeddings = yaml.safe_load(config.read_text())["model"]["embeddings"]["class_path"]
+    assert is_tied(cli.model.backbone) == embeddings.endswith("TiedEmbeddings")
+    if "peft" in yaml.safe_load(config.read_text())["model"]:  # adapters beside the trained embedding
+        assert any("lora_A" in name for name, p in cli.model.named_parameters() if p.requires_grad)
+        assert cli.model.backbone.get_input_embeddings().weight.requires_grad
     if config.stem.startswith("qqp"):
         assert "val/f1" in cli.trainer.callback_metrics
 

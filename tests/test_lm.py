@@ -207,11 +207,12 @@ def test_lm_quickstart_perplexity_falls_far_below_the_untrained_model(tmp_path: 
     assert cli.trainer.callback_metrics["privacy/epsilon"] <= 8.0
 
 
-def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+@pytest.mark.parametrize("config", ["smollm2_lm.yaml", "smollm2_lm_lora.yaml"])
+def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(config: str, tmp_path: Path, tiny_bpe_dir: Path) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"It was great {i}."} for i in range(16)])
     llama = {**FAMILIES["llama"], "max_position_embeddings": 256}
     cli = run_lm_cli([
-        "fit", "--config", str(CONFIGS / "smollm2_lm.yaml"),
+        "fit", "--config", str(CONFIGS / config),
         "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu",
         "--trainer.precision", "32-true", "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1",
         "--model.pretrained", "null", "--model.config", json.dumps(llama),
@@ -219,6 +220,8 @@ def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(tmp_path: Path, t
         "--data.batch_size", "4", "--data.eval_batch_size", "4",
     ])  # fmt: skip
     assert cli.trainer.strategy.accountant.steps == 1 and is_tied(cli.model.backbone)
+    lora = [name for name, p in cli.model.named_parameters() if p.requires_grad and "lora_" in name]
+    assert bool(lora) == config.endswith("_lora.yaml")
 
 
 def test_hub_dataset_by_name_goes_through_load_dataset(monkeypatch: pytest.MonkeyPatch, tiny_bpe_dir: Path) -> None:

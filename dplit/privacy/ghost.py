@@ -34,6 +34,17 @@ from dplit.privacy.norms.factors import without_examples
 from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, TiedNorm, parameter_squared_norm
 
 
+LAYER_ADVICE = (
+    "freeze it, use a supported layer (Linear, Conv1D, Embedding, LayerNorm, RMSNorm), register a rule, or use the "
+    "per_example engine"
+)
+ADAPTER_ADVICE = (
+    "ghost clipping covers peft's LoRA on Linear and Conv1D layers: leave this layer out of model.peft's "
+    "target_modules (model.train_embeddings trains the embedding itself), use peft.LoraConfig without use_dora, or "
+    "use DPStrategy.clipping=per_example"
+)
+
+
 @dataclass
 class ModuleCall:
     """One call of a covered module: its input and, after the backward pass, its output gradient."""
@@ -128,10 +139,11 @@ class GhostEngine(ClippingEngine):
         rule = self._rules.get(type(module))
         for full_name, attribute in owned:
             if rule is None or attribute not in rule.parameter_names:
+                holder = self._layer_holding(module_name)
+                advice = ADAPTER_ADVICE if "model.peft" in holder else LAYER_ADVICE
                 raise ValueError(
-                    f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}, "
-                    f"which has no ghost clipping rule for it; freeze it, use a supported layer (Linear, Conv1D, "
-                    f"Embedding, LayerNorm, RMSNorm), register a rule, or use the per_example engine"
+                    f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}"
+                    f"{holder}, which has no ghost clipping rule for it; {advice}"
                 )
         if "forward" in vars(module):
             raise ValueError(
@@ -142,6 +154,17 @@ class GhostEngine(ClippingEngine):
         if reason is not None:
             raise ValueError(f"trainable parameter {owned[0][0]!r} ({module_name!r}, {kind}): {reason}")
         return rule
+
+    def _layer_holding(self, module_name: str) -> str:
+        """`` inside 'x' (pkg.Type)``: the nearest enclosing layer not from torch (e.g. a peft adapter layer)."""
+        parts = module_name.split(".")
+        for depth in range(len(parts) - 1, 0, -1):
+            name = ".".join(parts[:depth])
+            kind = type(self._module.get_submodule(name))
+            if not kind.__module__.startswith("torch."):
+                origin = ", an adapter of model.peft" if kind.__module__.startswith("peft.") else ""
+                return f" inside {name!r} ({kind.__module__}.{kind.__qualname__}{origin})"
+        return ""
 
     @property
     def tied_norm(self) -> TiedNorm:

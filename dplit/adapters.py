@@ -1,0 +1,157 @@
+"""Parameter-efficient fine-tuning: peft adapters (LoRA, ...) in the backbone, beside a trained or frozen embedding.
+
+The adapters are injected into the causal LM in place (``peft.inject_adapter_in_model``), so the backbone stays the
+``transformers`` model it was and every dplit forward runs unchanged; peft freezes every base weight. Whether DP can
+clip the adapters exactly is the clipping engine's call: ghost clipping covers LoRA's ``lora_A``/``lora_B``
+(plain ``nn.Linear`` layers, also on GPT-2's ``Conv1D``) and refuses, by name, any adapter parameter no rule covers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from dplit.embeddings import embedding_pair
+
+try:
+    from peft import PeftConfig
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    AdapterConfig = PeftConfig
+except ImportError:  # dplit runs without peft; a model.peft value is then refused naming the package
+    PeftConfig = BaseTunerLayer = None
+    AdapterConfig = dict[str, Any]  # type: ignore[misc]
+
+MISSING_PEFT = "model.peft needs the 'peft' package, which is not installed: pip install peft"
+
+
+@dataclass(frozen=True)
+class TrainableCounts:
+    """How many trainable parameters (elements) are adapters, input/output embeddings, or anything else."""
+
+    adapter: int
+    embedding: int
+    other: int
+    frozen: int
+
+    def describe(self) -> str:
+        """One line for the start of a run, e.g. ``trainable: 4,608 adapter, 0 embedding, 0 other (134,515,008 frozen)``."""
+        return (
+            f"trainable parameters: {self.adapter:,} adapter, {self.embedding:,} embedding, {self.other:,} other "
+            f"({self.frozen:,} frozen)"
+        )
+
+
+def adapter_hyperparameter(config: Any) -> dict[str, Any]:
+    """``{class_path, init_args}`` of a peft config in plain types (lists, strings), as a checkpoint should keep it.
+
+    ``torch.load(weights_only=True)``, which Lightning uses to resume, refuses pickled peft classes and enums.
+    """
+    config = adapter_config(config)
+    kind = type(config)
+    values = json.loads(json.dumps(config.to_dict(), default=_plain))
+    names = {field.name for field in fields(config) if field.init}
+    return {"class_path": f"{kind.__module__}.{kind.__qualname__}", "init_args": {k: v for k, v in values.items() if k in names}}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"model.peft: {type(value).__name__} values cannot be kept in a checkpoint")
+
+
+def apply_adapters(model: PreTrainedModel, config: Any, *, train_embeddings: bool) -> None:
+    """Inject the adapters of peft ``config`` into ``model`` (base weights frozen), then set the embeddings.
+
+    Args:
+        model: the causal LM, its embedding policy already applied (a tied weight stays one Parameter).
+        config: a ``peft.PeftConfig`` of an adapter method (LoRA, IA3, ...; not a prompt-learning method).
+        train_embeddings: whether the input and output embedding (tied: the one shared matrix) are trained
+            beside the adapters.
+
+    Raises:
+        ValueError: naming ``model.peft`` when peft is missing, ``config`` is not a peft adapter config, or its
+            ``target_modules`` match no module of the model.
+    """
+    config = adapter_config(config)
+    from peft import inject_adapter_in_model
+    from peft.utils.error import NoMatchingPeftModuleError
+
+    try:
+        inject_adapter_in_model(config, model)
+    except (NoMatchingPeftModuleError, ValueError) as error:
+        raise ValueError(f"model.peft: {' '.join(str(error).split())}") from error
+    set_embeddings_trainable(model, train_embeddings)
+
+
+def adapter_config(config: Any) -> Any:
+    """The peft adapter config ``model.peft`` gives: a ``PeftConfig``, or its ``{class_path, init_args}`` (hparams).
+
+    Raises:
+        ValueError: naming ``model.peft`` when peft is missing, or the value is not a peft adapter config.
+    """
+    if PeftConfig is None:
+        raise ValueError(MISSING_PEFT)
+    if isinstance(config, dict) and isinstance(config.get("class_path"), str):
+        config = _built(config["class_path"], config.get("init_args") or {})
+    if not isinstance(config, PeftConfig):
+        raise ValueError(f"model.peft must be a peft config such as peft.LoraConfig, got {type(config).__name__}")
+    if config.is_prompt_learning:
+        raise ValueError(
+            f"model.peft: {type(config).__name__} is a prompt-learning method (virtual tokens), which dplit does not "
+            "train; use an adapter method such as peft.LoraConfig"
+        )
+    return config
+
+
+def _built(class_path: str, init_args: dict[str, Any]) -> Any:
+    """An instance of the peft config class named ``class_path`` (as a checkpoint's hyperparameters store it)."""
+    module_name, _, class_name = class_path.rpartition(".")
+    try:
+        kind = getattr(importlib.import_module(module_name), class_name, None) if module_name.startswith("peft") else None
+    except ImportError:
+        kind = None
+    if not (isinstance(kind, type) and issubclass(kind, PeftConfig)):
+        raise ValueError(f"model.peft: class_path {class_path!r} is not a peft config class such as peft.LoraConfig")
+    return kind(**init_args)
+
+
+def set_embeddings_trainable(model: PreTrainedModel, trainable: bool) -> None:
+    """Train or freeze the input and output embedding (one Parameter when tied, both when untied)."""
+    for module in embedding_pair(model):
+        module.weight.requires_grad_(trainable)
+
+
+def trainable_counts(module: nn.Module, model: PreTrainedModel) -> TrainableCounts:
+    """Count the trainable parameters of ``module`` by kind; ``model`` is its causal LM (embeddings, adapters)."""
+    embeddings = {id(m.weight) for m in embedding_pair(model)}
+    adapters = {id(p) for p in adapter_parameters(model)}
+    counts = {"adapter": 0, "embedding": 0, "other": 0, "frozen": 0}
+    seen: set[int] = set()
+    for param in module.parameters():  # a tied Parameter is listed once
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        kind = "adapter" if id(param) in adapters else "embedding" if id(param) in embeddings else "other"
+        counts[kind if param.requires_grad else "frozen"] += param.numel()
+    return TrainableCounts(**counts)
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters peft added to ``model``: those of its tuner layers, outside their frozen ``base_layer``."""
+    if BaseTunerLayer is None:
+        return []
+    found = []
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            base = {id(p) for p in module.get_base_layer().parameters()}
+            found += [p for p in module.parameters() if id(p) not in base]
+    return found
