@@ -17,6 +17,12 @@ METHOD_NAMES = {
     "dplit_per_example": "dplit per-example",
     "opacus_hooks": "opacus hooks",
     "opacus_ghost": "opacus ghost",
+    "non_private_lora": "non-private LoRA",
+    "dplit_ghost_lora": "dplit ghost LoRA",
+    "dplit_ghost_lora_embedding": "dplit ghost LoRA + embedding",
+    "opacus_hooks_lora": "opacus hooks LoRA",
+    "opacus_ghost_lora": "opacus ghost LoRA",
+    "opacus_ghost_lora_embedding": "opacus ghost LoRA + embedding",
 }
 TARGET_SIZE = {"model": "gpt2", "batch": 16, "seq_len": 128}
 """The size the GPT-2 targets are stated for (GPT-2 size, B = 16, T = 128, label-word head)."""
@@ -71,17 +77,25 @@ def _ok(row: Row | None) -> bool:
     return row is not None and row.get("status") == "ok" and row.get("step_time_s") is not None
 
 
+def baseline_method(method: str) -> str:
+    """The non-private method a row's ratios are to: non-private LoRA for the LoRA rows, else non-private."""
+    return "non_private_lora" if "_lora" in method else "non_private"
+
+
 def add_ratios(rows: list[Row]) -> None:
-    """Set ``step_time_ratio`` and ``peak_mem_ratio`` of each row to non-private (same size and policy, same run)."""
+    """Set ``step_time_ratio`` and ``peak_mem_ratio`` of each row to non-private (same size and policy, same run).
+
+    A LoRA row's ratios are to non-private LoRA training of the same model.
+    """
     for group in groups(rows).values():
         for row in group:
-            base = _find(group, "non_private", row["policy"])
+            base = _find(group, baseline_method(row["method"]), row["policy"])
             usable = _ok(row) and _ok(base)
             row["step_time_ratio"] = row["step_time_s"] / base["step_time_s"] if usable else None
             row["peak_mem_ratio"] = row["peak_mem_mb"] / base["peak_mem_mb"] if usable else None
             cpu = usable and row.get("step_cpu_s") and base.get("step_cpu_s")
             row["step_cpu_ratio"] = row["step_cpu_s"] / base["step_cpu_s"] if cpu else None  # steadier when shared
-            row["ratio_baseline"] = f"non_private/{row['policy']}"
+            row["ratio_baseline"] = f"{baseline_method(row['method'])}/{row['policy']}"
 
 
 def evaluate_targets(rows: list[Row]) -> list[dict[str, Any]]:
@@ -150,11 +164,39 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
         ghost, baseline = (r["peak_mem_mb"] - plain_t["peak_mem_mb"] for r in (ghost_t, materialised))
         results[-1]["detail"] = (f"peak − non-private tied peak: ghost {ghost:+.0f} MB, materialising {baseline:+.0f} MB "
                                  f"(ghost's is {results[-1]['value']:.0%} of it; limit 40%)")
+    results += _lora_targets(group, size, gpt2_official or smollm2_official, privatize)
     check("ghost untied faster than opacus ghost (untied)", [ghost_u, opacus_ghost],
           lambda: ghost_u["step_time_s"] / opacus_ghost["step_time_s"], 1.0,
           "dplit takes {v:.2f}x opacus ghost's step time (must be < 1)")
     if results[-1]["met"] is not None:  # strictly faster
         results[-1]["met"] = bool(results[-1]["value"] < 1.0)
+    return results
+
+
+def _lora_targets(group: list[Row], size: dict[str, Any], official: bool, privatize: str) -> list[dict[str, Any]]:
+    """The LoRA targets, per embedding policy measured: ghost LoRA ≤ 1.15× non-private LoRA step time and ≤ 1.1×
+    its peak memory; at SmolLM2 size also ghost LoRA peak memory ≤ 0.6× ghost full fine-tuning."""
+    results = []
+    for policy in ("tied", "untied"):
+        plain, ghost = _find(group, "non_private_lora", policy), _find(group, "dplit_ghost_lora", policy, privatize)
+        full = _find(group, "dplit_ghost", policy, privatize)
+        checks = [
+            (f"ghost LoRA ({policy}) step time <= 1.15x non-private LoRA", plain, "step_time_s", 1.15),
+            (f"ghost LoRA ({policy}) peak memory <= 1.1x non-private LoRA", plain, "peak_mem_mb", 1.1),
+        ]
+        if size["model"] == "smollm2":
+            checks.append((f"ghost LoRA ({policy}) peak memory <= 0.6x ghost full fine-tuning", full, "peak_mem_mb", 0.6))
+        for name, base, field, limit in checks:
+            if ghost is None and base is None:
+                continue
+            row = {**size, "official": official, "target": name, "limit": limit}
+            if not (_ok(ghost) and _ok(base)):
+                results.append({**row, "value": None, "met": None,
+                                "detail": "not measured (a configuration is missing, refused or failed)"})
+                continue
+            value = ghost[field] / base[field]
+            results.append({**row, "value": value, "met": bool(value <= limit),
+                            "detail": f"{value:.2f}x (limit {limit}x)"})
     return results
 
 
@@ -208,7 +250,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"thread the steadier measure when other processes share the machine). Memory: {memory} "
         "(`after model`: once the model and the batch exist, before the method's optimizer, engine or opacus "
         "wrapper; `peak − model` is what the method's training step adds). Ratios are to "
-        "non-private training of the same model (same size and embedding policy) in the same run.",
+        "non-private training of the same model (same size and embedding policy; for LoRA rows, non-private LoRA: "
+        "rank 8 on every projection, base weights frozen) in the same run.",
         "",
     ]
     if results.get("complete") is False:  # results.json of a suite that was stopped (benchmarks.run writes it per row)
@@ -292,7 +335,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
             (axis_pair[1], "peak_mem_ratio", "peak memory / non-private", 1.15),
         ):
             values = [r.get(field) or 0.0 for r in group]
-            colors = ["#888888" if r["method"] == "non_private" else "#1f77b4" if r["method"].startswith("dplit")
+            colors = ["#888888" if r["method"].startswith("non_private") else "#1f77b4" if r["method"].startswith("dplit")
                       else "#ff7f0e" for r in group]
             bars = axis.bar(range(len(group)), values, color=colors)
             for bar, row in zip(bars, group):

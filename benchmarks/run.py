@@ -49,6 +49,19 @@ DEFAULT_CONFIGS = (
 )
 
 
+LORA_CONFIGS = (
+    "non_private:tied",
+    "dplit_ghost:tied",
+    "non_private_lora:tied",
+    "dplit_ghost_lora:tied",
+    "dplit_ghost_lora_embedding:tied",
+    "opacus_hooks_lora:tied",
+    "opacus_ghost_lora:tied",
+    "opacus_ghost_lora_embedding:tied",
+)
+"""``--lora``: LoRA (rank 8 on every projection) against full fine-tuning and opacus, on the tied model."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model (2 layers, 128 wide, full vocabulary), B=8")
@@ -65,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="configurations to run (default: all listed above); non_private of a policy is needed for that policy's "
         "ratios; dplit ones take an optional noise-step variant, e.g. dplit_ghost:untied:flat (see --privatize)",
     )
+    parser.add_argument("--lora", action="store_true",
+                        help="the LoRA rows (" + " ".join(LORA_CONFIGS) + ") instead of --configs -> results/lora")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps, median reported (default 5 quick, 3 full)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 300 quick, 3600)")
@@ -97,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
     only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
-    folder = "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
+    folder = "lora" if args.lora else "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
+    args.configs = list(LORA_CONFIGS) if args.lora else args.configs
     args.out = args.out or ROOT / "benchmarks" / "results" / folder
     configs = []
     for config in args.configs:

@@ -11,6 +11,8 @@ random token sequences of T real tokens, one full optimizer step per iteration:
 * ``dplit_per_example``: the same with dplit's materialising reference engine (vmap of per-example grads).
 * ``opacus_hooks`` / ``opacus_ghost``: opacus ``PrivacyEngine.make_private(grad_sample_mode=...)`` on the same
   module and AdamW; ghost uses the returned loss wrapper (two backward passes inside ``loss.backward()``).
+* ``<method>_lora``: the same on the model with rank-8 LoRA on every projection (peft; base weights and embeddings
+  frozen); ``<method>_lora_embedding``: with the input/output embedding trained beside the adapters.
 
 Reports (as JSON, to ``--out``): the median step time over the timed steps after warm-up, peak memory (CUDA max
 allocated on GPU; peak RSS of this process on CPU, from ``resource.getrusage``), the memory once the model and
@@ -36,7 +38,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
+BASE_METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
+ADAPTER_METHODS = (
+    "non_private_lora", "dplit_ghost_lora", "dplit_ghost_lora_embedding", "opacus_hooks_lora", "opacus_ghost_lora",
+    "opacus_ghost_lora_embedding",
+)  # fmt: skip
+"""A base method on the LoRA model (rank 8 on every projection, base frozen); ``_embedding``: the (tied or untied)
+input/output embedding trained beside the adapters."""
+METHODS = BASE_METHODS + ADAPTER_METHODS
+LORA_TARGETS = {
+    "gpt2": ["c_attn", "c_proj", "c_fc"],  # GPT-2's Conv1D layers (fan_in_fan_out)
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
 POLICIES = ("untied", "tied")
 PRIVATIZE_MODES = ("strategy", "flat", "per_parameter")
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -68,6 +81,23 @@ LABEL_WORDS = {"gpt2": [7818, 1049], "llama": [1109, 13321]}
 """SST-2 label words " terrible", " great" in each family's tokenizer."""
 VOCAB_SIZE = VOCAB_SIZES["gpt2"]  # the GPT-2 sizes' (kept for callers of the former constants)
 LABEL_WORD_IDS = LABEL_WORDS["gpt2"]
+
+
+def adapters(method: str) -> tuple[str, bool, bool]:
+    """(base method, whether the model has LoRA adapters, whether its embedding trains beside them)."""
+    if method.endswith("_lora_embedding"):
+        return method.removesuffix("_lora_embedding"), True, True
+    if method.endswith("_lora"):
+        return method.removesuffix("_lora"), True, False
+    return method, False, True
+
+
+def lora_config(model: str) -> Any:
+    """Rank-8 LoRA (alpha 16, no dropout) on every attention and MLP projection of the family."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family(model)],
+                      fan_in_fan_out=family(model) == "gpt2")
 
 
 def family(model: str) -> str:
@@ -150,12 +180,14 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
     from dplit.model import CausalLMClassifier
 
     embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
+    _, lora, train_embeddings = adapters(args.method)
+    peft = {"peft": lora_config(args.model), "train_embeddings": train_embeddings} if lora else {}
     if args.task == "lm":
         from dplit.lm import CausalLanguageModel
 
         language_model = CausalLanguageModel(
             config=backbone_config(args.model, args.seq_len), embeddings=embeddings, dropout=0.0,
-            attn_implementation="eager", lr=args.lr, sample_prompts=[],
+            attn_implementation="eager", lr=args.lr, sample_prompts=[], **peft,
         )  # fmt: skip
         return language_model.to(device).train()
     model = CausalLMClassifier(
@@ -166,6 +198,7 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
         dropout=0.0,
         attn_implementation="eager",
         lr=args.lr,
+        **peft,
     )
     return model.to(device).train()
 
@@ -254,7 +287,8 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
 
     params = [p for p in model.parameters() if p.requires_grad]
     mixed = autocast(args, device)
-    if args.method == "non_private":
+    method = adapters(args.method)[0]
+    if method == "non_private":
         optimizer = torch.optim.AdamW(params, lr=args.lr)
 
         def step() -> None:
@@ -266,10 +300,10 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
 
         return step
 
-    if args.method in ("dplit_ghost", "dplit_per_example"):
+    if method in ("dplit_ghost", "dplit_per_example"):
         from dplit.privacy import build_engine
 
-        if args.method == "dplit_ghost":
+        if method == "dplit_ghost":
             engine = build_engine("ghost", model, max_grad_norm=args.max_grad_norm, tied_norm="exact")
         else:
             engine = build_engine("per_example", model, max_grad_norm=args.max_grad_norm)
@@ -292,7 +326,7 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
-    mode = args.method.removeprefix("opacus_")
+    mode = method.removeprefix("opacus_")
     optimizer = torch.optim.AdamW(params, lr=args.lr)
     dataset = TensorDataset(batch["input_ids"], batch["attention_mask"], batch["labels"])
     loader = DataLoader(dataset, batch_size=args.batch_size)  # only tells opacus the (expected) batch size

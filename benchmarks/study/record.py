@@ -1,0 +1,86 @@
+"""What every study records beside its numbers: machine, commit, mean ± std, and results written atomically."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from benchmarks.run import cpu_model_and_memory
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (where studies run their arms and resolve relative paths)."""
+
+
+def relative(path: Path) -> str:
+    """``path`` relative to the repository root when it lies inside it, else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def version(package: str) -> str | None:
+    """The installed version of ``package`` (``None``: not installed)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, memory, GPU (from nvidia-smi), platform and the versions of the packages a study depends on."""
+    cpu_model, total_kib = cpu_model_and_memory()
+    versions = {package: version(package) for package in ("torch", "transformers", "lightning", "opacus", "peft", "gguf")}
+    gpu = None
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=20, check=False)
+        gpu = done.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"cpu_model": cpu_model, "logical_cpus": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "memory_gib": round(total_kib / 2**20, 1), "gpu": gpu, "platform": platform.platform(),
+            "python": platform.python_version(), **versions}
+
+
+def git_info(*paths: str) -> dict[str, Any]:
+    """The commit, and the uncommitted changes under ``paths`` (what the study's numbers depend on)."""
+
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--", *paths)
+    return {"commit": head, "uncommitted_changes": dirty.splitlines() if dirty else []}
+
+
+def mean_std(values: list[float | None]) -> dict[str, Any]:
+    """Mean, sample standard deviation and count of the finite ``values`` (``None`` when there are none)."""
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else None,
+            "n": len(values), "values": values}
+
+
+def plus_minus(stats: dict[str, Any], scale: float = 1.0, digits: int = 1) -> str:
+    """``mean ± std`` of :func:`mean_std`'s result (``–`` when nothing was measured)."""
+    if stats.get("mean") is None:
+        return "–"
+    text = f"{stats['mean'] * scale:.{digits}f}"
+    if stats.get("std") is not None:
+        text += f" ± {stats['std'] * scale:.{digits}f}"
+    return text
+
+
+def write_json(data: dict[str, Any], path: Path) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1))
+    os.replace(temporary, path)
