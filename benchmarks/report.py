@@ -128,6 +128,8 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
     def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str, smollm2: bool = False) -> None:
         official = gpt2_official or (smollm2 and smollm2_official)  # smollm2: also a SmolLM2 target
         name = name + (f" [dplit with {variant}]" if variant else "")
+        if all(r is None for r in needed):  # none of its configurations was part of this run (e.g. --lora)
+            return
         if not all(_ok(r) for r in needed):
             results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
                             "target": name, "value": None, "limit": limit, "met": None,
