@@ -41,7 +41,7 @@ class TrainableCounts:
     frozen: int
 
     def describe(self) -> str:
-        """One line for the start of a run, e.g. ``trainable: 4,608 adapter, 0 embedding, 0 other (134,515,008 frozen)``."""
+        """One line for the start of a run: ``trainable parameters: 4,608 adapter, 0 embedding, 0 other (9,344 frozen)``."""
         return (
             f"trainable parameters: {self.adapter:,} adapter, {self.embedding:,} embedding, {self.other:,} other "
             f"({self.frozen:,} frozen)"
@@ -57,7 +57,8 @@ def adapter_hyperparameter(config: Any) -> dict[str, Any]:
     kind = type(config)
     values = json.loads(json.dumps(config.to_dict(), default=_plain))
     names = {field.name for field in fields(config) if field.init}
-    return {"class_path": f"{kind.__module__}.{kind.__qualname__}", "init_args": {k: v for k, v in values.items() if k in names}}
+    init_args = {key: value for key, value in values.items() if key in names}
+    return {"class_path": f"{kind.__module__}.{kind.__qualname__}", "init_args": init_args}
 
 
 def _plain(value: Any) -> Any:

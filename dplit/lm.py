@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
-from dplit.adapters import AdapterConfig
+from dplit.adapters import AdapterConfig, adapter_hyperparameter
 from dplit.embeddings import EmbeddingPolicy
 from dplit.module import Batch, CausalLMModule, positions_of
 
@@ -78,6 +78,7 @@ class CausalLanguageModel(CausalLMModule):
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"model.loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         _check_samples(sample_prompts, sample_tokens)
+        peft = adapter_hyperparameter(peft) if peft is not None else None  # plain types: weights_only checkpoints
         self.save_hyperparameters(ignore=["embeddings"])
         self.build_backbone(
             embeddings=embeddings,

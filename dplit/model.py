@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
-from dplit.adapters import AdapterConfig
+from dplit.adapters import AdapterConfig, adapter_hyperparameter
 from dplit.embeddings import EmbeddingPolicy, embedding_pair
 from dplit.module import Batch, CausalLMModule, positions_of
 
@@ -75,6 +75,7 @@ class CausalLMClassifier(CausalLMModule):
         lr_schedule: Literal["linear", "constant"] = "linear",
     ) -> None:
         super().__init__()
+        peft = adapter_hyperparameter(peft) if peft is not None else None  # plain types: weights_only checkpoints
         self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
         self.build_backbone(
             embeddings=embeddings,

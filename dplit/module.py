@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from dplit.adapters import adapter_hyperparameter, apply_adapters, set_embeddings_trainable, trainable_counts
+from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
 from dplit.backbone import build_causal_lm
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
 
@@ -64,7 +64,6 @@ class CausalLMModule(LightningModule):
         self.embeddings.apply(self.backbone)
         if peft is not None:
             apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
-            self.hparams["peft"] = adapter_hyperparameter(peft)  # plain types: checkpoints load with weights_only
         elif train_embeddings is not None:
             set_embeddings_trainable(self.backbone, train_embeddings)
 

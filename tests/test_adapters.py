@@ -7,6 +7,7 @@ end to end: the adapters get exactly the clipped noisy update, the frozen base w
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import Logger
 from peft import IA3Config, LoraConfig
 from torch import Tensor
 
@@ -24,6 +26,7 @@ from dplit.model import CausalLMClassifier
 from dplit.privacy import PerExampleEngine
 from dplit.privacy.ghost import GhostEngine
 from dplit.privacy.self_check import check_ghost_norms
+from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.test_families import FAMILIES, attention_for, check
 from tests.test_ghost import TINY, assert_close, padded_batch, run
@@ -174,6 +177,44 @@ def test_trainable_counts_say_which_regime_it_is() -> None:
         assert counts.adapter + counts.embedding + counts.other + counts.frozen == total
     full = classifier("gpt2", TiedEmbeddings(), None)
     assert trainable_counts(full, full.backbone).adapter == 0 and trainable_counts(full, full.backbone).frozen == 0
+
+
+class HyperparameterRecorder(Logger):
+    """A logger keeping every hyperparameter logged (what TensorBoard's hparams tab would show)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hyperparameters: dict[str, Any] = {}
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        self.hyperparameters.update(params if isinstance(params, dict) else vars(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+
+def test_a_run_logs_which_parameters_it_trains_as_hyperparameters(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    model, recorder = gpt2_lora_classifier(True), HyperparameterRecorder()
+    trainer = L.Trainer(
+        strategy=DPStrategy(accelerator="cpu", max_grad_norm=0.1, noise_multiplier=1.0), devices=1,
+        precision="64-true", max_steps=1, logger=recorder, default_root_dir=tmp_path, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, enable_checkpointing=False,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        trainer.fit(model, RandomTokenData())
+    counts = trainable_counts(model, model.backbone)
+    assert counts.adapter > 0 and counts.embedding == VOCAB * TINY_GPT2["n_embd"]
+    assert {f"trainable/{kind}": value for kind, value in vars(counts).items()}.items() <= recorder.hyperparameters.items()
+    assert recorder.hyperparameters["peft"]["class_path"] == "peft.tuners.lora.config.LoraConfig"
+    assert counts.describe() in caplog.text
 
 
 class GradientRecorder(Callback):
