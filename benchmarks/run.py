@@ -74,12 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="lm: the causal-LM step (next-token loss at every position) -> results/lm")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
-        "--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="METHOD:POLICY",
+        "--configs", nargs="+", default=None, metavar="METHOD:POLICY",
         help="configurations to run (default: all listed above); non_private of a policy is needed for that policy's "
         "ratios; dplit ones take an optional noise-step variant, e.g. dplit_ghost:untied:flat (see --privatize)",
     )
     parser.add_argument("--lora", action="store_true",
-                        help="the LoRA rows (" + " ".join(LORA_CONFIGS) + ") instead of --configs -> results/lora")
+                        help="the LoRA rows (default --configs " + " ".join(LORA_CONFIGS) + ") -> results/lora")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 2 quick, 3 full)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps, median reported (default 5 quick, 3 full)")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per configuration (default 300 quick, 3600)")
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
     only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
     folder = "lora" if args.lora else "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
-    args.configs = list(LORA_CONFIGS) if args.lora else args.configs
+    args.configs = args.configs or list(LORA_CONFIGS if args.lora else DEFAULT_CONFIGS)
     args.out = args.out or ROOT / "benchmarks" / "results" / folder
     configs = []
     for config in args.configs:
