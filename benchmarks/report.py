@@ -125,20 +125,24 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
     materialised = _find(group, "dplit_per_example", "tied", privatize) or _find(group, "dplit_per_example", "tied")
     opacus_ghost = _find(group, "opacus_ghost", "untied")
 
-    def check(name: str, needed: list[Row | None], value: Any, limit: float, text: str, smollm2: bool = False) -> None:
+    def check(
+        name: str, needed: list[Row | None], value: Any, limit: float, text: str, smollm2: bool = False
+    ) -> dict[str, Any] | None:
+        """Append the target's result (``None``: none of its configurations ran) and return it."""
         official = gpt2_official or (smollm2 and smollm2_official)  # smollm2: also a SmolLM2 target
         name = name + (f" [dplit with {variant}]" if variant else "")
         if all(r is None for r in needed):  # none of its configurations was part of this run (e.g. --lora)
-            return
+            return None
         if not all(_ok(r) for r in needed):
             results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
                             "target": name, "value": None, "limit": limit, "met": None,
                             "detail": "not measured (a configuration is missing, refused or failed)"})
-            return
+            return results[-1]
         measured = value()
         results.append({"model": model, "batch": batch, "seq_len": seq_len, "official": official,
                         "target": name, "value": measured, "limit": limit, "met": bool(measured <= limit),
                         "detail": text.format(v=measured, limit=limit)})
+        return results[-1]
 
     check("ghost untied step time <= 1.3x non-private", [ghost_u, plain_u],
           lambda: ghost_u["step_time_s"] / plain_u["step_time_s"], 1.3, "{v:.2f}x (limit {limit}x)", True)
@@ -159,19 +163,19 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
         baseline = materialised["peak_mem_mb"] - plain_t["peak_mem_mb"]
         return ghost / baseline if baseline > 0 else float("inf")
 
-    check("tied DP memory overhead >= 60% smaller than per-example (materialising) tied", [ghost_t, plain_t,
+    overhead = check("tied DP memory overhead >= 60% smaller than per-example (materialising) tied", [ghost_t, plain_t,
           materialised], overhead_fraction, 0.4,
           "ghost overhead is {v:.0%} of the materialising overhead (limit 40%, i.e. at least 60% smaller)")
-    if results[-1]["met"] is not None:
+    if overhead is not None and overhead["met"] is not None:
         ghost, baseline = (r["peak_mem_mb"] - plain_t["peak_mem_mb"] for r in (ghost_t, materialised))
-        results[-1]["detail"] = (f"peak − non-private tied peak: ghost {ghost:+.0f} MB, materialising {baseline:+.0f} MB "
-                                 f"(ghost's is {results[-1]['value']:.0%} of it; limit 40%)")
-    results += _lora_targets(group, size, gpt2_official or smollm2_official, privatize)
-    check("ghost untied faster than opacus ghost (untied)", [ghost_u, opacus_ghost],
+        overhead["detail"] = (f"peak − non-private tied peak: ghost {ghost:+.0f} MB, materialising {baseline:+.0f} MB "
+                              f"(ghost's is {overhead['value']:.0%} of it; limit 40%)")
+    faster = check("ghost untied faster than opacus ghost (untied)", [ghost_u, opacus_ghost],
           lambda: ghost_u["step_time_s"] / opacus_ghost["step_time_s"], 1.0,
           "dplit takes {v:.2f}x opacus ghost's step time (must be < 1)")
-    if results[-1]["met"] is not None:  # strictly faster
-        results[-1]["met"] = bool(results[-1]["value"] < 1.0)
+    if faster is not None and faster["met"] is not None:  # strictly faster
+        faster["met"] = bool(faster["value"] < 1.0)
+    results += _lora_targets(group, size, gpt2_official or smollm2_official, privatize)
     return results
 
 
@@ -182,6 +186,8 @@ def _lora_targets(group: list[Row], size: dict[str, Any], official: bool, privat
     for policy in ("tied", "untied"):
         plain, ghost = _find(group, "non_private_lora", policy), _find(group, "dplit_ghost_lora", policy, privatize)
         full = _find(group, "dplit_ghost", policy, privatize)
+        if ghost is None and plain is None:  # no LoRA row of this policy ran
+            continue
         checks = [
             (f"ghost LoRA ({policy}) step time <= 1.15x non-private LoRA", plain, "step_time_s", 1.15),
             (f"ghost LoRA ({policy}) peak memory <= 1.1x non-private LoRA", plain, "peak_mem_mb", 1.1),
@@ -189,8 +195,6 @@ def _lora_targets(group: list[Row], size: dict[str, Any], official: bool, privat
         if size["model"] == "smollm2":
             checks.append((f"ghost LoRA ({policy}) peak memory <= 0.6x ghost full fine-tuning", full, "peak_mem_mb", 0.6))
         for name, base, field, limit in checks:
-            if ghost is None and base is None:
-                continue
             row = {**size, "official": official, "target": name, "limit": limit}
             if not (_ok(ghost) and _ok(base)):
                 results.append({**row, "value": None, "met": None,
