@@ -194,7 +194,8 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
     """SIGINT to the real executable mid-run: interrupted.ckpt holds exactly the steps the ledger file counts."""
     sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
     command = [dplit_executable(), "fit", *quickstart_args(tmp_path, *sigma,
-               "--trainer.max_steps", "200", "--trainer.limit_val_batches", "0")]  # fmt: skip
+               "--trainer.max_steps", "200", "--trainer.max_epochs", "100",  # never done before the interrupt
+               "--trainer.limit_val_batches", "0")]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_environment())
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
