@@ -136,11 +136,7 @@ def trainable_counts(module: nn.Module, model: PreTrainedModel) -> TrainableCoun
     embeddings = {id(m.weight) for m in embedding_pair(model)}
     adapters = {id(p) for p in adapter_parameters(model)}
     counts = {"adapter": 0, "embedding": 0, "other": 0, "frozen": 0}
-    seen: set[int] = set()
     for param in module.parameters():  # a tied Parameter is listed once
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
         kind = "adapter" if id(param) in adapters else "embedding" if id(param) in embeddings else "other"
         counts[kind if param.requires_grad else "frozen"] += param.numel()
     return TrainableCounts(**counts)
