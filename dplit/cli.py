@@ -21,6 +21,7 @@ from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
 from dplit.privacy.warnings import PrivacyWarning
+from dplit.release.commands import export_main, generate_main
 from dplit.strategy import DPStrategy
 from dplit.terminal import terminal_output
 
@@ -245,7 +246,7 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``dplit fit|validate|test --config X.yaml`` and ``dplit lm fit|validate --config X.yaml``.
+    """Entry point of ``dplit fit|validate|test|export`` and ``dplit lm fit|validate|generate|export``.
 
     A refusal prints ``dplit: error: <message>`` on one line and exits 2; ``--debug`` or ``DPLIT_DEBUG=1`` shows
     the traceback instead.
@@ -265,10 +266,14 @@ def main(args: ArgsType = None) -> None:
 
 
 def _run(argv: list[str]) -> None:
-    """Run the classifier CLI, or the ``dplit lm`` one."""
+    """Run the classifier CLI, the ``dplit lm`` one, ``dplit export`` or ``dplit lm generate``."""
     with warnings.catch_warnings():  # the command line is passed on as args (without --debug)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        if argv[:1] == ["lm"]:
+        if argv[:1] == ["export"] or argv[:2] == ["lm", "export"]:
+            export_main(argv[argv.index("export") + 1 :])
+        elif argv[:2] == ["lm", "generate"]:
+            generate_main(argv[2:])
+        elif argv[:1] == ["lm"]:
             run_lm_cli(argv[1:])
         else:
             run_cli(argv)

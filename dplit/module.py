@@ -16,6 +16,7 @@ from typing_extensions import override
 from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
 from dplit.backbone import build_causal_lm
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.release.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
 
@@ -103,6 +104,11 @@ class CausalLMModule(LightningModule):
         facts = {f"trainable/{kind}": value for kind, value in vars(counts).items()}
         for logger in self.loggers:
             logger.log_hyperparams({"embedding_policy": repr(self.embeddings), **facts})
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Record the classes, embedding policy and dplit commit, so ``dplit export`` needs nothing but the file."""
+        checkpoint[RELEASE_KEY] = release_record(self, getattr(self._trainer, "datamodule", None))
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -371,6 +371,10 @@ class DPStrategy(DDPStrategy):
             "sample_rate": self._sample_rate,
             "dataset_size": self._dataset_size,
             "target_epsilon": self._target_epsilon,
+            "expected_batch_size": self.expected_batch_size if self._sample_rate is not None else None,
+            "sampling": "poisson",
+            "clipping": self._clipping,
+            "tied_norm": self._tied_norm,
             "noise": self._noise_source.describe(),
             "noise_secure": self._noise_source.secure,
         }

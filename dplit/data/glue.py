@@ -94,7 +94,7 @@ class GlueDataModule(LightningDataModule):
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
         self.max_length = max_length
-        self.tokenizer: PreTrainedTokenizerBase = self._load_tokenizer(tokenizer, gguf_file, padding_side)
+        self.tokenizer: PreTrainedTokenizerBase = self.tokenizer_for(self.hparams)
         self.label_words = _resolve_label_words(self.spec, label_words)
         self.label_word_ids: list[int] = label_word_ids(self.tokenizer, self.label_words)
         self.num_classes: int = len(self.label_words)
@@ -149,12 +149,14 @@ class GlueDataModule(LightningDataModule):
             num_workers=self.num_workers,
         )
 
-    def _load_tokenizer(self, name_or_path: str, gguf_file: str | None, padding_side: str) -> PreTrainedTokenizerBase:
-        if self.task == "synthetic":
+    @staticmethod
+    def tokenizer_for(hparams: Mapping[str, Any]) -> PreTrainedTokenizerBase:
+        """The tokenizer a module with these hyperparameters uses (no data is read: ``dplit export`` calls it)."""
+        if hparams.get("task", "sst2") == "synthetic":
             tokenizer = build_synthetic_tokenizer()
         else:
-            tokenizer = load_tokenizer(name_or_path, gguf_file)
-        tokenizer.padding_side = padding_side
+            tokenizer = load_tokenizer(hparams.get("tokenizer", "gpt2"), hparams.get("gguf_file"))
+        tokenizer.padding_side = hparams.get("padding_side", "right")
         return tokenizer
 
     def _read(self, split: Split) -> TextSplit:

@@ -174,16 +174,21 @@ class TextDataModule(LightningDataModule):
                 raise ValueError(f"data.{name} must be a positive integer (max_length ≥ 2), got {value}")
         self.batch_size, self.eval_batch_size, self.max_length = batch_size, eval_batch_size, max_length
         self.num_workers = num_workers
-        builtin = dataset == BUILTIN and train_file is None
-        self.tokenizer: PreTrainedTokenizerBase = (
-            build_corpus_tokenizer() if builtin else load_tokenizer(tokenizer, gguf_file)
-        )
-        self.tokenizer.padding_side = padding_side
+        self.tokenizer: PreTrainedTokenizerBase = self.tokenizer_for(self.hparams)
         if self.tokenizer.eos_token_id is None:
             raise ValueError(f"data.tokenizer={tokenizer!r} has no end-of-text token to end each example with")
         self.vocab_size: int = len(self.tokenizer)
         self.collate_fn = TextCollator(self.tokenizer.pad_token_id, padding_side)
         self._datasets: dict[Split, TextDataset] = {}
+
+    @staticmethod
+    def tokenizer_for(hparams: Mapping[str, Any]) -> PreTrainedTokenizerBase:
+        """The tokenizer a module with these hyperparameters uses (no data is read: ``dplit export`` calls it)."""
+        builtin = hparams.get("dataset", BUILTIN) == BUILTIN and hparams.get("train_file") is None
+        name = hparams.get("tokenizer", "gpt2")
+        tokenizer = build_corpus_tokenizer() if builtin else load_tokenizer(name, hparams.get("gguf_file"))
+        tokenizer.padding_side = hparams.get("padding_side", "right")
+        return tokenizer
 
     @override
     def setup(self, stage: str | None = None) -> None:

@@ -1,0 +1,131 @@
+"""A dplit checkpoint read back for release: the LightningModule, its tokenizer and its privacy guarantee."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from transformers import PreTrainedTokenizerBase
+
+from dplit.embeddings import EmbeddingPolicy
+from dplit.module import CausalLMModule
+from dplit.release.guarantee import guarantee_of
+from dplit.release.provenance import RELEASE_KEY
+
+MODULES = {"classifier": "dplit.model.CausalLMClassifier", "lm": "dplit.lm.CausalLanguageModel"}
+DATAMODULES = {"classifier": "dplit.data.glue.GlueDataModule", "lm": "dplit.data.text.TextDataModule"}
+
+
+@dataclass
+class TrainedModel:
+    """A trained dplit module (eval mode, float32), its tokenizer and the guarantee of its checkpoint."""
+
+    module: CausalLMModule
+    tokenizer: PreTrainedTokenizerBase
+    guarantee: dict[str, Any]
+    hparams: dict[str, Any]
+    data_hparams: dict[str, Any]
+
+    @property
+    def is_classifier(self) -> bool:
+        """Whether the module classifies (label words or a linear head) rather than generates."""
+        return "head" in self.hparams
+
+
+def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, flag: str = "--ckpt_path") -> TrainedModel:
+    """Rebuild the module of a dplit checkpoint from its hyperparameters and load its weights (nothing is trained).
+
+    Args:
+        ckpt_path: a checkpoint written by ``dplit fit`` or ``dplit lm fit``.
+        config: the run's YAML config, for a checkpoint without dplit's release record (its ``model.embeddings``).
+        flag: the command-line flag named in errors.
+
+    Raises:
+        ValueError: in one line naming ``flag`` for a missing file or one that is not a dplit checkpoint.
+    """
+    checkpoint = read_checkpoint(ckpt_path, flag=flag)
+    record = checkpoint.get(RELEASE_KEY) or _record_from_config(ckpt_path, config, checkpoint, flag)
+    hparams = dict(checkpoint["hyper_parameters"])
+    data_hparams = dict(checkpoint.get("datamodule_hyper_parameters") or {})
+    module_class = _imported(record["module"])
+    accepted = inspect.signature(module_class).parameters
+    arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
+    module = module_class(**arguments, embeddings=_policy(record["embeddings"]))
+    module.load_state_dict(checkpoint["state_dict"], strict=True)
+    datamodule_class = _imported(record.get("datamodule") or DATAMODULES[_kind(hparams)])
+    tokenizer = datamodule_class.tokenizer_for(data_hparams)
+    return TrainedModel(module.eval(), tokenizer, guarantee_of(checkpoint), hparams, data_hparams)
+
+
+def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
+    """The content of a Lightning checkpoint of a dplit module (tensors and plain types only: ``weights_only``)."""
+    path = check_checkpoint_file(path, flag=flag)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{flag} {path}: not a dplit checkpoint ({first})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{flag} {path}: not a Lightning checkpoint (no state_dict)")
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if "lr" not in hparams or not any(str(key).startswith("backbone.") for key in checkpoint["state_dict"]):
+        raise ValueError(f"{flag} {path}: not a dplit checkpoint (no dplit model hyperparameters or backbone weights)")
+    return checkpoint
+
+
+def check_checkpoint_file(path: str | Path, *, flag: str) -> Path:
+    """Refuse a path that is not a file written by ``torch.save`` (without reading it whole)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"{flag} {path}: not a checkpoint (not a file written by torch.save / Lightning)")
+    return path
+
+
+def _record_from_config(
+    ckpt_path: str | Path, config: str | Path | None, checkpoint: dict[str, Any], flag: str
+) -> dict[str, Any]:
+    """The release record of a checkpoint written before dplit kept one, from the run's config.yaml."""
+    if config is None:
+        beside = Path(ckpt_path).expanduser().resolve().parent.parent / "config.yaml"  # version_N/checkpoints/x.ckpt
+        if not beside.is_file():
+            raise ValueError(
+                f"{flag} {ckpt_path}: the checkpoint has no dplit release record and no config.yaml beside its "
+                "checkpoints/ folder: give the run's config with --config"
+            )
+        config = beside
+    try:
+        run = yaml.safe_load(Path(config).expanduser().read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {config}: cannot be read as YAML ({type(error).__name__})") from None
+    kind = _kind(checkpoint["hyper_parameters"])
+    embeddings = (run.get("model") or {}).get("embeddings") or {"class_path": "dplit.embeddings.UntiedEmbeddings"}
+    if isinstance(embeddings, str):
+        embeddings = {"class_path": embeddings}
+    return {"module": MODULES[kind], "datamodule": DATAMODULES[kind], "embeddings": embeddings}
+
+
+def _kind(hparams: dict[str, Any]) -> str:
+    return "classifier" if "head" in hparams else "lm"
+
+
+def _policy(record: dict[str, Any]) -> EmbeddingPolicy:
+    policy_class = _imported(record["class_path"])
+    if not (isinstance(policy_class, type) and issubclass(policy_class, EmbeddingPolicy)):
+        raise ValueError(f"model.embeddings: {record['class_path']!r} is not an EmbeddingPolicy")
+    return policy_class(**(record.get("init_args") or {}))
+
+
+def _imported(class_path: str) -> Any:
+    module, _, name = class_path.rpartition(".")
+    if not module.startswith("dplit."):
+        raise ValueError(f"{class_path!r} is not a dplit class: the checkpoint was not written by dplit")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,267 @@
+"""``dplit export``: a checkpoint becomes a plain Hugging Face folder whose logits, tying and guarantee are the run's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from dplit.cli import run_cli, run_lm_cli
+from dplit.data.corpus import build_corpus_tokenizer
+from dplit.embeddings import is_tied
+from dplit.module import positions_of
+from dplit.privacy.ledger import LEDGER_FILE
+from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
+from dplit.release.guarantee import GUARANTEE_FILE
+from tests.executable import dplit_executable, user_environment
+from tests.test_bad_inputs import lm_args, lora_on
+from tests.test_cli import TINY, TINY_LLAMA, glue_args, quickstart_args, steps
+
+SST2_LORA = Path(__file__).parents[1] / "configs" / "smollm2_sst2_lora.yaml"
+POLICIES = {"tied": "dplit.embeddings.TiedEmbeddings", "untied": "dplit.embeddings.UntiedEmbeddings"}
+FAMILIES = {"gpt2": TINY, "llama": TINY_LLAMA}
+TOLERANCE = 1e-5
+
+
+def checkpoint_of(root: Path) -> Path:
+    """The newest checkpoint a run under ``root`` wrote."""
+    return max(root.rglob("*.ckpt"), key=lambda path: path.stat().st_mtime)
+
+
+def classifier_run(tmp_path: Path, tokenizer: Path, family: str, policy: str, *extra: str) -> object:
+    """One DP step of the SST-2 SmolLM2 config on a tiny random ``family`` backbone (real tokenizer files)."""
+    config = Path(__file__).parents[1] / "configs" / f"smollm2_sst2_{'tied' if policy == 'tied' else 'untied'}.yaml"
+    args = glue_args(config, tmp_path, tokenizer)
+    args[args.index("--model.config") + 1] = FAMILIES[family]
+    return run_cli(["fit", *args, "--model.embeddings", POLICIES[policy], *extra])
+
+
+def lm_run(tmp_path: Path, family: str, policy: str, *extra: str) -> object:
+    """One DP step of the LM quickstart on a tiny random ``family`` backbone."""
+    config = json.loads(FAMILIES[family])
+    config["max_position_embeddings" if family == "llama" else "n_positions"] = 64
+    return run_lm_cli([
+        "fit", *lm_args(tmp_path, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1"),
+        "--model.config", json.dumps(config), "--model.embeddings", POLICIES[policy], *extra,
+    ])  # fmt: skip
+
+
+def exported(checkpoint: Path, folder: Path, **kwargs: object) -> tuple[torch.nn.Module, object]:
+    """Export, then load the folder with plain transformers (offline), as a user of the release would."""
+    export_checkpoint(checkpoint, folder, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(str(folder))
+
+
+def sentences(tokenizer: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two right-padded sentences of different lengths: input ids and attention mask [2, T]."""
+    batch = tokenizer(["It was a great movie.", "terrible"], return_tensors="pt", padding=True)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+def hf_last_token_logits(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The LM logits [B, V] at each sequence's last real token, positions counting real tokens."""
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask)).logits  # [B, T, V]
+    return logits[torch.arange(ids.shape[0]), mask.sum(1) - 1]
+
+
+@pytest.mark.parametrize("policy", ["tied", "untied"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_exported_classifier_gives_the_modules_logits_in_plain_transformers(
+    family: str, policy: str, tmp_path: Path, tiny_bpe_dir: Path
+) -> None:
+    cli = classifier_run(tmp_path, tiny_bpe_dir, family, policy)
+    model, tokenizer = exported(checkpoint_of(tmp_path), tmp_path / "export")
+    assert is_tied(model) == (policy == "tied") == model.config.tie_word_embeddings
+    if policy == "untied":  # both matrices were trained and saved: they differ after the step
+        assert not torch.equal(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    record = json.loads((tmp_path / "export" / CLASSIFIER_FILE).read_text())
+    assert (
+        record["label_word_ids"] == cli.datamodule.label_word_ids
+        and record["template"] == cli.datamodule.prompt.template
+    )
+    ids, mask = sentences(tokenizer)
+    assert ids.tolist() == sentences(cli.datamodule.tokenizer)[0].tolist()
+    module = cli.model.eval()
+    with torch.no_grad():
+        expected = module(ids, mask)  # [B, K]
+        got = hf_last_token_logits(model, ids, mask)[:, record["label_word_ids"]]
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+@pytest.mark.parametrize("policy", ["tied", "untied"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_exported_language_model_gives_the_modules_logits_in_plain_transformers(
+    family: str, policy: str, tmp_path: Path
+) -> None:
+    cli = lm_run(tmp_path, family, policy)
+    model, tokenizer = exported(checkpoint_of(tmp_path), tmp_path / "export")
+    assert is_tied(model) == (policy == "tied") == model.config.tie_word_embeddings
+    ids = torch.tensor([tokenizer.encode("the movie is very good and")] * 2)  # [2, T]
+    assert ids.tolist()[0] == cli.datamodule.tokenizer.encode("the movie is very good and")
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = cli.model.eval().backbone(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask)).logits
+        got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=TOLERANCE, rtol=TOLERANCE)
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_linear_head_is_saved_beside_the_lm_and_reproduces_the_class_logits(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    cli = classifier_run(tmp_path, tiny_bpe_dir, "gpt2", "untied", "--model.head", "linear")
+    model, tokenizer = exported(checkpoint_of(tmp_path), tmp_path / "export")
+    record = json.loads((tmp_path / "export" / CLASSIFIER_FILE).read_text())
+    weight = load_file(str(tmp_path / "export" / record["head_file"]))["weight"]  # [K, d]
+    assert record["head"] == "linear" and record["head_file"] == HEAD_FILE
+    ids, mask = sentences(tokenizer)
+    with torch.no_grad():
+        hidden = model(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask), output_hidden_states=True)
+        last = hidden.hidden_states[-1][torch.arange(2), mask.sum(1) - 1]  # [B, d]
+        torch.testing.assert_close(last @ weight.T, cli.model.eval()(ids, mask), atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_the_card_states_the_ledgers_epsilon_and_every_fact_a_reviewer_needs(tmp_path: Path) -> None:
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(3))])
+    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "export")
+    guarantee = json.loads((tmp_path / "export" / GUARANTEE_FILE).read_text())
+    ledger = json.loads(next(tmp_path.rglob(LEDGER_FILE)).read_text())
+    assert guarantee["differentially_private"] is True and guarantee["steps"] == 3
+    assert (
+        guarantee["epsilon"] == pytest.approx(ledger["epsilon"], rel=1e-9)
+        and guarantee["delta"] == ledger["accountant"]["delta"]
+    )
+    assert guarantee["noise_multiplier"] == ledger["noise_multiplier"] and guarantee["dataset_size"] == 200
+    assert guarantee["sample_rate"] == pytest.approx(0.1) and guarantee["expected_batch_size"] == pytest.approx(20.0)
+    assert (guarantee["sampling"], guarantee["clipping"], guarantee["tied_norm"]) == ("poisson", "ghost", "exact")
+    assert guarantee["embedding_policy"]["class_path"] == "dplit.embeddings.UntiedEmbeddings"
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert card.splitlines()[0].startswith("# Differentially private") and f"ε = {guarantee['epsilon']:.4g}" in card
+    for fact in ("poisson", "one training example", "clipping bound C", "hyperparameters",
+                 "train/* diagnostics", "non-secure RNG", "dplit commit", "data source", "base model"):  # fmt: skip
+        assert fact in card, fact
+
+
+def test_a_resumed_runs_card_counts_every_step(tmp_path: Path) -> None:
+    sigma = (
+        "--trainer.strategy.init_args.target_epsilon",
+        "null",
+        "--trainer.strategy.init_args.noise_multiplier",
+        "1",
+    )
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(2), *sigma)])  # fixed σ: a target ε would be spent at step 2
+    first = checkpoint_of(tmp_path)
+    run_cli(
+        ["fit", *quickstart_args(tmp_path, *steps(2), *sigma), "--trainer.max_epochs", "2", "--ckpt_path", str(first)]
+    )
+    resumed = checkpoint_of(tmp_path)
+    assert resumed.parent.parent.name == "version_1"
+    export_checkpoint(resumed, tmp_path / "export")
+    guarantee = json.loads((tmp_path / "export" / GUARANTEE_FILE).read_text())
+    ledger = json.loads((resumed.parent.parent / LEDGER_FILE).read_text())
+    assert guarantee["steps"] == 4 == sum(count for _, _, count in ledger["accountant"]["history"])
+    assert guarantee["epsilon"] == pytest.approx(ledger["epsilon"], rel=1e-9)
+
+
+def test_a_non_private_checkpoint_says_so_in_the_first_line_of_its_card(tmp_path: Path) -> None:
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(1)), "--trainer.strategy", "auto", "--non_private", "true"])
+    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "export")
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "NOT differentially private" in card.splitlines()[0]
+    assert json.loads((tmp_path / "export" / GUARANTEE_FILE).read_text())["differentially_private"] is False
+
+
+def test_a_predictable_seed_is_not_exported_as_private(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning):
+        run_cli(["fit", *quickstart_args(tmp_path, *steps(1)), "--trainer.strategy.init_args.seed", "3"])
+    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "export")
+    first = (tmp_path / "export" / "README.md").read_text().splitlines()[0]
+    assert "NOT differentially private" in first and "predictable" in first
+
+
+def tiny_pretrained_gpt2(folder: Path) -> Path:
+    """A random GPT-2 saved as a local pretrained folder with the builtin corpus' vocabulary (a PeftModel base)."""
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(build_corpus_tokenizer()), n_layer=2, n_embd=16, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def test_lora_merges_by_default_and_adapter_only_loads_with_peft(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    base = tiny_pretrained_gpt2(tmp_path / "base")
+    cli = run_lm_cli([
+        "fit", *lm_args(tmp_path / "run", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1"),
+        "--model.config", "null", "--model.pretrained", str(base), "--model.peft", lora_on("c_attn", "c_fc"),
+        "--model.embeddings", POLICIES["untied"], "--model.lr", "0.05",
+    ])  # fmt: skip
+    checkpoint = checkpoint_of(tmp_path / "run")
+    ids = torch.tensor([cli.datamodule.tokenizer.encode("the movie is very good")])
+    with torch.no_grad():
+        expected = cli.model.eval().backbone(input_ids=ids).logits
+        merged, _ = exported(checkpoint, tmp_path / "merged")
+        assert not any("lora" in name for name, _ in merged.named_parameters())
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        export_checkpoint(checkpoint, tmp_path / "adapter", adapter_only=True)
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base)), str(tmp_path / "adapter"))
+        torch.testing.assert_close(adapted.eval()(input_ids=ids).logits, expected, atol=TOLERANCE, rtol=TOLERANCE)
+        untouched = AutoModelForCausalLM.from_pretrained(str(base)).eval()(input_ids=ids).logits
+    assert not torch.allclose(untouched, expected, atol=1e-4)  # the adapters moved: the test can fail
+    assert json.loads((tmp_path / "adapter" / GUARANTEE_FILE).read_text())["adapters"] == "peft.LoraConfig"
+
+
+def test_adapter_only_is_refused_when_the_embedding_was_trained_too(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    args = glue_args(SST2_LORA, tmp_path, tiny_bpe_dir)
+    run_cli(["fit", *args])
+    with pytest.raises(
+        ValueError, match=r"--adapter_only: the run also trained .*embed_tokens.* export the merged model"
+    ):
+        export_checkpoint(checkpoint_of(tmp_path), tmp_path / "adapter", adapter_only=True)
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_real_smollm2_gguf_exports_untied_and_loads_untied(shared_data_dir: Path, tmp_path: Path) -> None:
+    folder = shared_data_dir / "smollm2-135m-instruct"
+    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not (folder / gguf).is_file():
+        pytest.skip(f"{folder / gguf} is not in the shared data folder")
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"A fine film, number {i}."}) + "\n" for i in range(40)))
+    cli = run_lm_cli([
+        "fit", "--config", str(Path(__file__).parents[1] / "configs" / "smollm2_lm.yaml"),
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+        "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
+        "--model.pretrained", str(folder), "--model.gguf_file", gguf, "--data.tokenizer", str(folder),
+        "--data.gguf_file", gguf, "--data.train_file", str(rows), "--data.val_file", str(rows),
+        "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.max_length", "32",
+        "--model.embeddings", POLICIES["untied"], "--model.sample_prompts", "[]",
+    ])  # fmt: skip
+    model, tokenizer = exported(checkpoint_of(tmp_path), tmp_path / "export")
+    assert not is_tied(model) and model.config.tie_word_embeddings is False
+    ids = torch.tensor([tokenizer.encode("A fine film")])
+    with torch.no_grad():
+        expected = cli.model.eval().backbone(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(tmp_path: Path) -> None:
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+    command = [
+        dplit_executable(),
+        "export",
+        "--ckpt_path",
+        str(checkpoint_of(tmp_path)),
+        "--output_dir",
+        str(tmp_path / "out"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
+    assert result.returncode == 0, result.stderr
+    assert "-DP, see README.md" in result.stdout + result.stderr
+    assert {"config.json", "model.safetensors", "generation_config.json", "README.md", GUARANTEE_FILE} <= {
+        path.name for path in (tmp_path / "out").iterdir()
+    }
