@@ -120,6 +120,37 @@ def lm_files(name: str, train: str | bytes, *extra: str) -> Setup:
     return setup
 
 
+
+def exporting(checkpoint: dict | None, *extra: str, output_file: str | None = None) -> Setup:
+    """``dplit export`` of ``checkpoint`` (saved with torch.save; ``None``: a missing file) into ``scratch/out``."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        path = scratch / "run.ckpt" if checkpoint is not None else Path("/nonexistent/run.ckpt")
+        if checkpoint is not None:
+            torch.save(checkpoint, path)
+        if output_file is not None:
+            (scratch / "out").mkdir()
+            (scratch / "out" / output_file).write_text("someone's notes\n")
+        return ["export", "--ckpt_path", str(path), "--output_dir", str(scratch / "out"), *extra]
+
+    return setup
+
+
+def generating(prompts: str, *extra: str, name: str = "prompts.jsonl", samples: str = "2", model: bool = True) -> Setup:
+    """``dplit lm generate`` with a prompts file holding ``prompts`` (``model=False``: the model folder is missing)."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        folder = scratch / "model" if model else Path("/nonexistent/model")
+        if model:
+            folder.mkdir()
+            (folder / "config.json").write_text("{}\n")  # never loaded: a bad prompts file is refused first
+        (scratch / name).write_text(prompts)
+        return ["lm", "generate", "--model", str(folder), "--prompts_file", str(scratch / name),
+                "--num_samples", samples, "--output_file", str(scratch / "synthetic.jsonl"), *extra]  # fmt: skip
+
+    return setup
+
+
 GOOD_TSV = "\n".join([SST2_HEADER, *SST2_ROWS]) + "\n"
 CATALOGUE: list[tuple[str, Setup, str]] = [
     ("max-length-above-positions", flags("--data.max_length", "100"), r"data.max_length=100 exceeds .* 64 tokens"),
@@ -202,6 +233,16 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("peft-prompt-learning", flags("--model.peft", '{"class_path": "peft.PrefixTuningConfig", "init_args": {"num_virtual_tokens": 4}}'), r"^model\.peft: PrefixTuningConfig is a prompt-learning method"),
     ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
+    # releasing a trained model: dplit export and dplit lm generate
+    ("export-missing-checkpoint", exporting(None), r"^--ckpt_path /nonexistent/run\.ckpt: no such file$"),
+    ("export-not-a-lightning-checkpoint", exporting({"weights": torch.zeros(2)}), r"^--ckpt_path .*run\.ckpt: not a Lightning checkpoint \(no state_dict\)$"),
+    ("export-not-a-dplit-checkpoint", exporting({"state_dict": {"layer.weight": torch.zeros(2)}, "hyper_parameters": {"width": 2}}), r"^--ckpt_path .*run\.ckpt: not a dplit checkpoint"),
+    ("export-output-dir-not-empty", exporting({"weights": torch.zeros(2)}, output_file="notes.txt"), r"^--output_dir .*out: exists and is not empty \(pass --overwrite"),
+    ("export-overwrite-not-an-export", exporting({"weights": torch.zeros(2)}, "--overwrite", output_file="notes.txt"), r"^--output_dir .*out: --overwrite replaces only an earlier dplit export"),
+    ("generate-empty-prompts-file", generating("\n\n", name="prompts.txt"), r"^--prompts_file .*prompts\.txt: no prompts \(the file is empty\)$"),
+    ("generate-prompts-without-the-column", generating('{"text": "Write a review:"}\n'), r"^--prompts_file .*prompts\.jsonl line 1: no non-empty text column 'prompt' \(--prompt_column\)$"),
+    ("generate-zero-samples", generating('{"prompt": "Write a review:"}\n', samples="0"), r"^--num_samples=0: must be an integer ≥ 1$"),
+    ("generate-missing-model", generating('{"prompt": "Write a review:"}\n', model=False), r"^--model /nonexistent/model: no such file or folder$"),
 ]  # fmt: skip
 
 

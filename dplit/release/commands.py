@@ -13,6 +13,7 @@ from typing_extensions import override
 from dplit.release.export import export_checkpoint, export_summary
 from dplit.release.generate import (
     SamplingSettings,
+    check_model_source,
     check_output_file,
     generate_rows,
     load_generator,
@@ -77,6 +78,7 @@ def generate_main(argv: list[str]) -> None:
         num_samples=args.num_samples, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=args.batch_size,
     )  # fmt: skip
+    check_model_source(args.model)
     check_output_file(args.output_file, overwrite=args.overwrite)
     prompts = read_prompts(args.prompts_file, prompt_column=args.prompt_column, label_column=args.label_column)
     backbone, tokenizer, guarantee = load_generator(args.model)

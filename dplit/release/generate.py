@@ -15,7 +15,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dplit.release.guarantee import GUARANTEE_FILE
-from dplit.release.trained import load_trained
+from dplit.release.trained import check_checkpoint_file, load_trained
 
 
 @dataclass(frozen=True)
@@ -81,12 +81,23 @@ def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_colum
     return prompts
 
 
-def load_generator(model: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any] | None]:
-    """The causal LM, its tokenizer and its guarantee, from an exported folder or a dplit checkpoint."""
+def check_model_source(model: str | Path) -> None:
+    """Refuse a ``--model`` that is neither a Hugging Face folder nor a checkpoint file (before any work)."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"--model {model}: the folder has no config.json (not a Hugging Face model folder)")
+    elif path.is_file():
+        check_checkpoint_file(path, flag="--model")
+    else:
+        raise ValueError(f"--model {model}: no such file or folder")
+
+
+def load_generator(model: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any] | None]:
+    """The causal LM, its tokenizer and its guarantee, from an exported folder or a dplit checkpoint."""
+    check_model_source(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
         backbone = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         card = path / GUARANTEE_FILE
