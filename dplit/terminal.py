@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
+from transformers.utils import logging as transformers_logging
+
 from dplit.privacy.warnings import PrivacyWarning
 
 UNACTIONABLE_WARNINGS = (
@@ -70,8 +72,14 @@ _PACKAGE = Path(__file__).resolve().parent
 
 @contextmanager
 def terminal_output() -> Iterator[None]:
-    """While the command runs: show privacy warnings prominently, drop dependencies' unactionable noise."""
+    """While the command runs: show privacy warnings prominently, drop dependencies' unactionable noise.
+
+    transformers' per-load progress bars ("Loading weights", "Writing model shards") are off: every command loads a
+    model, and the bars bury the lines that matter.
+    """
     noise = _DropUnactionable()
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
     loggers = [logging.getLogger(name) for name in _LIGHTNING_LOGGERS]
     with warnings.catch_warnings():
         for pattern in UNACTIONABLE_WARNINGS:
@@ -85,3 +93,5 @@ def terminal_output() -> Iterator[None]:
         finally:
             for logger in loggers:
                 logger.removeFilter(noise)
+            if bars:
+                transformers_logging.enable_progress_bar()

@@ -187,6 +187,40 @@ def install_stop_handlers() -> None:
         signal.signal(signum, _stop)
 
 
+def run_process(command: list[str], log_path: Path, *, header: str, threads: int, timeout: float) -> str | None:
+    """Run ``command`` in its own session, its output to ``log_path``; ``None`` when it exits 0, else why it failed.
+
+    Args:
+        command: the program and its arguments.
+        log_path: the file its standard output and error go to (``header`` is its first line).
+        header: the command as a reader would type it.
+        threads: torch threads (0: torch's default), through :func:`child_environment`.
+        timeout: seconds before it is killed, with everything it started.
+    """
+    problem = None
+    with open(log_path, "w") as log:
+        log.write(header + "\n")
+        log.flush()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env=child_environment(threads), start_new_session=True)
+        _RUNNING.append(process)
+        try:
+            code = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code, problem = None, f"timed out after {timeout:.0f} s (--timeout)"
+        finally:
+            _RUNNING.remove(process)
+    if code == 0:
+        return None
+    if problem is None:
+        problem = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return problem + "; " + (errors or lines or [""])[-1][:300]
+
+
 def run_arm(name: str, argv: list[str], arm_dir: Path, *, threads: int, timeout: float) -> dict[str, Any]:
     """Run ``dplit <argv>`` as one arm in its own process; its measurements (or why it failed) as a row.
 
@@ -205,32 +239,13 @@ def run_arm(name: str, argv: list[str], arm_dir: Path, *, threads: int, timeout:
     log_path = arm_dir / "output.log"
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    problem = None
-    with open(log_path, "w") as log:
-        log.write("dplit " + shlex.join(argv) + "\n")
-        log.flush()
-        process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env=child_environment(threads), start_new_session=True)
-        _RUNNING.append(process)
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code, problem = None, f"timed out after {timeout:.0f} s (--timeout)"
-        finally:
-            _RUNNING.remove(process)
+    problem = run_process(command, log_path, header="dplit " + shlex.join(argv), threads=threads, timeout=timeout)
     wall = time.perf_counter() - start
     row: dict[str, Any] = {"name": name, "dplit_command": "dplit " + shlex.join(argv)}
-    if code == 0 and result_path.is_file():
+    if problem is None and result_path.is_file():
         row.update(json.loads(result_path.read_text()))
     else:
-        if problem is None:
-            problem = (f"killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
-                       else f"exited with code {code}")
-        lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "error:" in line]
-        row.update({"status": "failed", "message": problem + "; " + (errors or lines or [""])[-1][:300]})
+        row.update({"status": "failed", "message": problem or "wrote no result.json"})
     row["process_wall_s"] = wall
     row["load_avg_before"] = load_before
     row["load_avg_after"] = os.getloadavg()[0]

@@ -1,0 +1,537 @@
+"""DP synthetic data, end to end: private SST-2 rows → a DP language model → labelled synthetic reviews → a
+NON-private classifier trained on the synthetic rows only → accuracy on the real SST-2 dev set.
+
+    python -m benchmarks.synthetic --smoke     # 32 private rows, 1 ε, 64 dev rows: a few minutes (a check)
+    python -m benchmarks.synthetic             # default CPU profile (see PROFILES): under an hour on 2 CPU cores
+    python -m benchmarks.synthetic --full      # all 67,349 rows, the LM recipe of configs/smollm2_lm.yaml: a GPU
+    python -m benchmarks.synthetic --hub       # weights, tokenizer and GLUE from the Hugging Face hub
+
+For each ε and seed the pipeline runs dplit's own commands, each in its own process:
+
+1. ``dplit lm fit --config configs/smollm2_lm.yaml``: SmolLM2-135M-Instruct (tied) fine-tuned with DPStrategy at
+   ``target_epsilon`` = ε on the private rows as instructions: prompt = the row's label control prompt
+   (:data:`CONTROL_PROMPTS`, public strings), response = the review (the loss is on the response only);
+2. ``dplit export``: the checkpoint as a Hugging Face folder with its card (the ε the table shows is the card's);
+3. ``dplit lm generate``: ``--synthetic-per-label`` samples per control prompt, so every synthetic row has a label;
+4. ``dplit fit --non_private true`` on the synthetic rows only (post-processing: no privacy is spent), with the
+   shipped ``configs/smollm2_sst2_tied.yaml`` classifier, validated on the real dev split.
+
+Beside it, with the same rows, ε and seed: the DP classifier trained directly on the private rows (the tying study's
+``dp_tied`` arm, :mod:`benchmarks.tying`) and the zero-shot classifier. The synthetic set is also described: its
+size and label balance, distinct-1/2/3 (distinct n-grams over all n-grams, lower-cased words), and the share of its
+8-grams found verbatim in the private training rows (memorisation; the control prompts are not part of any sample).
+
+Everything reads only the first ``--train-examples`` rows of SST-2's train.tsv (the private set); the next
+``--lm-val-examples`` rows are the LM's validation file (a perplexity it logs, never used to choose anything); the
+dev split is only the final evaluation. ``results.json``, ``table.md`` go to ``--out`` (default
+``benchmarks/results/synthetic/``), logs, checkpoints, exports and synthetic sets to ``--logs`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import shlex
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import tying  # noqa: E402
+from benchmarks.study import sst2  # noqa: E402
+from benchmarks.study.arm import install_stop_handlers, run_arm, run_process  # noqa: E402
+from benchmarks.study.record import ROOT, git_info, machine_info, mean_std, plus_minus, relative, write_json  # noqa: E402
+
+LM_CONFIG = "configs/smollm2_lm.yaml"
+CONTROL_PROMPTS = {"0": "Write a negative movie review:\n", "1": "Write a positive movie review:\n"}
+"""The public control string of each SST-2 label: the LM's prompt in training and in generation."""
+OVERLAP_N = 8
+GIT_PATHS = ("dplit", "configs", "benchmarks/synthetic.py", "benchmarks/tying.py", "benchmarks/study")
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # 2 shared CPU cores, 1 torch thread per process: 20 DP steps of each DP model per ε, 320 synthetic rows.
+    "default": {
+        "train_examples": 320, "lm_val_examples": 64, "epsilons": [3.0, 8.0], "seeds": [0],
+        "epochs": 1, "batch_size": 16, "lr": 5e-4, "max_grad_norm": 0.1,
+        "lm_epochs": 1, "lm_batch_size": 16, "lm_lr": 1e-4, "lm_max_grad_norm": 1.0, "lm_max_length": 96,
+        "synthetic_per_label": 160, "max_new_tokens": 48, "temperature": 1.0, "top_p": 0.9, "generate_batch_size": 16,
+        "synthetic_epochs": 1, "synthetic_batch_size": 16, "synthetic_lr": 5e-5,
+        "max_length": 64, "eval_batch_size": 32, "physical_batch_size": 16, "eval_examples": None,
+        "accelerator": "cpu", "precision": "32-true", "timeout": 1800.0, "threads": 1,
+    },
+    "smoke": {
+        "train_examples": 32, "lm_val_examples": 16, "epsilons": [8.0], "seeds": [0],
+        "epochs": 1, "batch_size": 8, "lr": 5e-4, "max_grad_norm": 0.1,
+        "lm_epochs": 1, "lm_batch_size": 8, "lm_lr": 1e-4, "lm_max_grad_norm": 1.0, "lm_max_length": 96,
+        "synthetic_per_label": 8, "max_new_tokens": 24, "temperature": 1.0, "top_p": 0.9, "generate_batch_size": 8,
+        "synthetic_epochs": 1, "synthetic_batch_size": 8, "synthetic_lr": 5e-5,
+        "max_length": 64, "eval_batch_size": 32, "physical_batch_size": 8, "eval_examples": 64,
+        "accelerator": "cpu", "precision": "32-true", "timeout": 900.0, "threads": 1,
+    },
+    # The whole train split; the LM with configs/smollm2_lm.yaml's batch and learning rate, 3 epochs. For a GPU.
+    "full": {
+        "train_examples": None, "lm_val_examples": 0, "epsilons": [3.0, 8.0], "seeds": [0, 1, 2],
+        "epochs": 3, "batch_size": 1000, "lr": 5e-4, "max_grad_norm": 0.1,
+        "lm_epochs": 3, "lm_batch_size": 256, "lm_lr": 2e-4, "lm_max_grad_norm": 1.0, "lm_max_length": 128,
+        "synthetic_per_label": 5000, "max_new_tokens": 64, "temperature": 1.0, "top_p": 0.9,
+        "generate_batch_size": 128, "synthetic_epochs": 3, "synthetic_batch_size": 32, "synthetic_lr": 5e-5,
+        "max_length": 128, "eval_batch_size": 128, "physical_batch_size": 64, "eval_examples": None,
+        "accelerator": "auto", "precision": "bf16-mixed", "timeout": 12 * 3600.0, "threads": 0,
+    },
+}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.synthetic", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument("--smoke", action="store_true", help="quick check: 32 private rows, ε=8, 64 dev rows")
+    profile.add_argument("--full", action="store_true", help="the whole train split, for a GPU")
+    parser.add_argument("--epsilons", nargs="+", type=float, help="target ε of the DP LM and DP classifier")
+    parser.add_argument("--seeds", nargs="+", type=int, help="seeds (training and sampling)")
+    parser.add_argument("--train-examples", type=int, help="the private set: first N rows of SST-2 train (0: all)")
+    parser.add_argument("--lm-val-examples", type=int, help="rows after the private set: the LM's validation file")
+    group = parser.add_argument_group("the DP classifier trained on the private rows (the tying study's dp_tied arm)")
+    group.add_argument("--epochs", type=int)
+    group.add_argument("--batch-size", type=int, help="expected logical batch")
+    group.add_argument("--lr", type=float)
+    group.add_argument("--max-grad-norm", type=float, help="C")
+    group = parser.add_argument_group("the DP language model (dplit lm fit, configs/smollm2_lm.yaml)")
+    group.add_argument("--lm-epochs", type=int)
+    group.add_argument("--lm-batch-size", type=int, help="expected logical batch")
+    group.add_argument("--lm-lr", type=float)
+    group.add_argument("--lm-max-grad-norm", type=float, help="C (the example's summed token loss)")
+    group.add_argument("--lm-max-length", type=int, help="prompt + review tokens (longer rows are cut at the end)")
+    group = parser.add_argument_group("generation (dplit lm generate)")
+    group.add_argument("--synthetic-per-label", type=int, help="samples per control prompt")
+    group.add_argument("--max-new-tokens", type=int)
+    group.add_argument("--temperature", type=float)
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--generate-batch-size", type=int)
+    group = parser.add_argument_group("the non-private classifier trained on the synthetic rows")
+    group.add_argument("--synthetic-epochs", type=int)
+    group.add_argument("--synthetic-batch-size", type=int)
+    group.add_argument("--synthetic-lr", type=float)
+    group = parser.add_argument_group("shared")
+    group.add_argument("--max-length", type=int, help="classifier prompt length in tokens")
+    group.add_argument("--eval-batch-size", type=int)
+    group.add_argument("--eval-examples", type=int, help="first N dev rows (default: all 872)")
+    group.add_argument("--physical-batch-size", type=int, help="DPStrategy.max_physical_batch_size")
+    group.add_argument("--accelerator")
+    group.add_argument("--precision")
+    group.add_argument("--timeout", type=float, help="seconds per process before it is killed")
+    group.add_argument("--threads", type=int, help="torch threads per process (0: torch's default)")
+    sst2.add_source_arguments(parser)
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/synthetic[/full])")
+    parser.add_argument("--logs", type=Path, help="logs folder (default benchmarks/out/synthetic/<profile>)")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan's commands and exit")
+    args = parser.parse_args(argv)
+    args.profile = "smoke" if args.smoke else "full" if args.full else "default"
+    for key, value in PROFILES[args.profile].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.train_examples == 0:
+        args.train_examples = None
+    args.logs = args.logs or ROOT / "benchmarks" / "out" / "synthetic" / args.profile
+    args.out = args.out or {"default": ROOT / "benchmarks" / "results" / "synthetic",
+                            "full": ROOT / "benchmarks" / "results" / "synthetic" / "full",
+                            "smoke": args.logs / "results"}[args.profile]
+    for key in ("epochs", "batch_size", "lm_epochs", "lm_batch_size", "lm_max_length", "synthetic_per_label",
+                "max_new_tokens", "generate_batch_size", "synthetic_epochs", "synthetic_batch_size", "max_length",
+                "eval_batch_size", "physical_batch_size"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be ≥ 1")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The private rows and the synthetic set
+
+
+def read_sst2_rows(path: Path, start: int, count: int | None) -> list[tuple[str, str]]:
+    """Rows ``start``..``start + count`` of an SST-2 TSV as (sentence, label), read with quoting off as dplit does."""
+    rows = []
+    with path.open(encoding="utf-8-sig") as file:
+        next(file)  # header: sentence, label
+        for index, line in enumerate(file):
+            if index < start or not line.strip():
+                continue
+            if count is not None and len(rows) >= count:
+                break
+            sentence, label = line.rstrip("\n").rsplit("\t", 1)
+            rows.append((sentence, label))
+    return rows
+
+
+def write_instructions(rows: Iterable[tuple[str, str]], path: Path) -> Path:
+    """SST-2 rows as ``dplit lm`` instructions: the label's control prompt, and the review as the response."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"prompt": CONTROL_PROMPTS[label], "response": sentence}) for sentence, label in rows]
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def write_prompts(path: Path) -> Path:
+    """The generation prompts file: each label's control prompt with its label."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"prompt": p, "label": label}) + "\n" for label, p in CONTROL_PROMPTS.items()))
+    return path
+
+
+def write_synthetic_tsv(samples: list[dict[str, Any]], folder: Path, dev: Path) -> dict[str, int]:
+    """The generated samples as an SST-2 ``train.tsv`` (one line each; empty ones dropped) beside a link to ``dev``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines, dropped = [], 0
+    for sample in samples:
+        text = " ".join(sample["text"].replace("\t", " ").split())
+        if not text:
+            dropped += 1
+            continue
+        lines.append(f"{text}\t{sample['label']}\n")
+    (folder / "train.tsv").write_text("sentence\tlabel\n" + "".join(lines), encoding="utf-8")
+    link = folder / "dev.tsv"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(dev.resolve())
+    return {"rows": len(lines), "dropped_empty": dropped,
+            "positive": sum(line.endswith("\t1\n") for line in lines)}
+
+
+def words(text: str) -> list[str]:
+    """Lower-cased whitespace-separated words (SST-2 is already tokenised this way)."""
+    return text.lower().split()
+
+
+def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
+    """The word ``n``-grams of ``text``, in order."""
+    tokens = words(text)
+    return [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+
+
+def distinct_n(texts: list[str], n: int) -> float | None:
+    """Distinct ``n``-grams over all ``n``-grams of ``texts`` (``None`` when there are none)."""
+    grams = [gram for text in texts for gram in ngrams(text, n)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def overlap_share(texts: list[str], private: list[str], n: int = OVERLAP_N) -> float | None:
+    """The share of the ``n``-grams of ``texts`` found verbatim in ``private`` (``None`` when there are none)."""
+    seen = {gram for text in private for gram in ngrams(text, n)}
+    grams = [gram for text in texts for gram in ngrams(text, n)]
+    return sum(gram in seen for gram in grams) / len(grams) if grams else None
+
+
+def describe_synthetic(texts: list[str], private: list[str]) -> dict[str, Any]:
+    """Diversity and memorisation of a synthetic set, measured against the private rows."""
+    return {"distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2), "distinct_3": distinct_n(texts, 3),
+            f"overlap_{OVERLAP_N}gram": overlap_share(texts, private),
+            f"{OVERLAP_N}grams": sum(len(ngrams(text, OVERLAP_N)) for text in texts),
+            "mean_words": sum(len(words(text)) for text in texts) / len(texts) if texts else None}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Commands
+
+
+def lm_fit_args(args: argparse.Namespace, sources: dict[str, Any], files: dict[str, Path], epsilon: float, seed: int,
+                folder: Path) -> list[str]:
+    """``dplit lm fit`` of the DP language model on the private instructions."""
+    model = ["--model.pretrained", sources["pretrained"], "--data.tokenizer", sources["pretrained"]]
+    if sources["gguf_file"]:
+        model += ["--model.gguf_file", sources["gguf_file"], "--data.gguf_file", sources["gguf_file"]]
+    callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"},
+                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}]
+    prefix = "--trainer.strategy.init_args."
+    return [
+        "lm", "fit", "--config", LM_CONFIG, *model,
+        "--data.train_file", str(files["train"]), "--data.val_file", str(files["val"]),
+        "--data.prompt_column", "prompt", "--data.response_column", "response",
+        "--data.batch_size", str(args.lm_batch_size), "--data.eval_batch_size", str(args.eval_batch_size),
+        "--data.max_length", str(args.lm_max_length),
+        "--seed_everything", str(seed), "--model.lr", repr(args.lm_lr), "--model.sample_prompts", "[]",
+        "--trainer.accelerator", args.accelerator, "--trainer.devices", "1", "--trainer.precision", args.precision,
+        "--trainer.max_epochs", str(args.lm_epochs), "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.num_sanity_val_steps", "0",
+        "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(folder),
+        "--trainer.callbacks", json.dumps(callbacks),
+        prefix + "target_epsilon", repr(float(epsilon)), prefix + "max_grad_norm", repr(args.lm_max_grad_norm),
+        prefix + "clipping", "ghost", prefix + "max_physical_batch_size", str(args.physical_batch_size),
+    ]
+
+
+def generate_args(args: argparse.Namespace, model: Path, prompts: Path, output: Path, seed: int) -> list[str]:
+    """``dplit lm generate``: ``--synthetic-per-label`` samples of each control prompt."""
+    return ["lm", "generate", "--model", str(model), "--prompts_file", str(prompts),
+            "--num_samples", str(args.synthetic_per_label), "--output_file", str(output), "--overwrite",
+            "--temperature", repr(args.temperature), "--top_p", repr(args.top_p),
+            "--max_new_tokens", str(args.max_new_tokens), "--seed", str(seed),
+            "--batch_size", str(args.generate_batch_size), "--no_progress"]
+
+
+def classifier_args(args: argparse.Namespace, sources: dict[str, Any], arm: str, epsilon: float | None, seed: int,
+                    folder: Path, *, synthetic: Path | None = None) -> list[str]:
+    """A classifier arm as the tying study runs it; ``synthetic``: trained without DP on that folder's train.tsv."""
+    if synthetic is None:
+        return tying.dplit_args(args, sources, {"arm": arm, "epsilon": epsilon, "seed": seed}, folder)
+    on_synthetic = copy.copy(args)
+    on_synthetic.train_examples, on_synthetic.epochs = None, args.synthetic_epochs
+    on_synthetic.batch_size, on_synthetic.lr = args.synthetic_batch_size, args.synthetic_lr
+    rows = {**sources, "data_dir": str(synthetic)}
+    return tying.dplit_args(on_synthetic, rows, {"arm": "non_private", "epsilon": None, "seed": seed}, folder)
+
+
+def dplit_command(argv: list[str]) -> list[str]:
+    """The dplit executable of this interpreter (``python -m dplit``) with ``argv``."""
+    return [sys.executable, "-m", "dplit", *argv]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# One pipeline
+
+
+def run_pipeline(args: argparse.Namespace, sources: dict[str, Any], files: dict[str, Path], epsilon: float,
+                 seed: int) -> dict[str, Any]:
+    """DP LM → export → generate → non-private classifier on the synthetic rows: one row of the table."""
+    name = f"synthetic-eps{epsilon:g}-seed{seed}"
+    folder = args.logs / name
+    row: dict[str, Any] = {"arm": "synthetic", "epsilon": epsilon, "seed": seed, "name": name}
+    started = time.perf_counter()
+    lm_folder, export, samples = folder / "lm", folder / "export", folder / "synthetic.jsonl"
+    lm_folder.mkdir(parents=True, exist_ok=True)
+    stages = [
+        ("lm_fit", lambda: lm_fit_args(args, sources, files, epsilon, seed, lm_folder)),
+        ("export", lambda: ["export", "--ckpt_path", str(_last_checkpoint(lm_folder)), "--output_dir", str(export),
+                            "--overwrite"]),
+        ("generate", lambda: generate_args(args, export, files["prompts"], samples, seed)),
+    ]
+    for stage, argv in stages:
+        stage_started = time.perf_counter()
+        problem = _run_dplit(args, argv(), folder / f"{stage}.log")
+        row[f"{stage}_wall_s"] = time.perf_counter() - stage_started
+        if problem:
+            return {**row, "status": "failed", "message": f"{stage}: {problem}"}
+    card = json.loads((export / "dp_guarantee.json").read_text())
+    row["lm"] = {key: card.get(key) for key in ("differentially_private", "epsilon", "delta", "noise_multiplier",
+                                                "max_grad_norm", "expected_batch_size", "sample_rate", "steps",
+                                                "dataset_size", "clipping", "tied_norm")}
+    generated = [json.loads(line) for line in samples.read_text().splitlines()]
+    row["synthetic"] = write_synthetic_tsv(generated, folder / "data", Path(sources["data_dir"]) / "dev.tsv")
+    row["synthetic"].update(describe_synthetic([s["text"] for s in generated], files["private_texts"]))
+    arm = run_arm(name, classifier_args(args, sources, "non_private", None, seed, folder / "classifier",
+                                        synthetic=folder / "data"),
+                  folder / "classifier", threads=args.threads, timeout=args.timeout)
+    row["classifier"] = {key: arm.get(key) for key in ("status", "message", "val_acc", "val_loss", "steps",
+                                                      "train_examples", "step_time_s", "process_wall_s", "log")}
+    row["pipeline_wall_s"] = time.perf_counter() - started
+    if arm.get("status") != "ok":
+        return {**row, "status": "failed", "message": f"classifier: {arm.get('message')}"}
+    return {**row, "status": "ok", "val_acc": arm["val_acc"], "epsilon_spent": card.get("epsilon")}
+
+
+def _run_dplit(args: argparse.Namespace, argv: list[str], log: Path) -> str | None:
+    return run_process(dplit_command(argv), log, header="dplit " + shlex.join(argv), threads=args.threads,
+                       timeout=args.timeout)
+
+
+def _last_checkpoint(folder: Path) -> Path:
+    """The newest ``last.ckpt`` the LM run wrote (a path that does not exist when there is none: export refuses it)."""
+    found = sorted(folder.glob("**/checkpoints/last.ckpt"), key=lambda path: path.stat().st_mtime)
+    return found[-1] if found else folder / "checkpoints" / "last.ckpt"
+
+
+def run_classifier(args: argparse.Namespace, sources: dict[str, Any], arm: str, epsilon: float | None,
+                   seed: int) -> dict[str, Any]:
+    """The zero-shot or the directly trained DP classifier, as in the tying study."""
+    name = "zero_shot" if arm == "zero_shot" else f"dp_classifier-eps{epsilon:g}-seed{seed}"
+    folder = args.logs / name
+    row = run_arm(name, classifier_args(args, sources, arm, epsilon, seed, folder), folder, threads=args.threads,
+                  timeout=args.timeout)
+    return {**row, "arm": "zero_shot" if arm == "zero_shot" else "dp_classifier", "epsilon": epsilon, "seed": seed,
+            "name": name}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Table
+
+
+ARM_LABELS = {"zero_shot": "zero-shot (no training)", "dp_classifier": "DP classifier on the private rows",
+              "synthetic": "non-private classifier on DP synthetic rows"}
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (arm, ε): dev accuracy and ε spent (mean ± std over seeds), and the synthetic sets' statistics."""
+    keys: list[tuple[str, float | None]] = []
+    for row in rows:
+        if (row["arm"], row["epsilon"]) not in keys:
+            keys.append((row["arm"], row["epsilon"]))
+    summary = []
+    for arm, epsilon in keys:
+        group = [r for r in rows if r["arm"] == arm and r["epsilon"] == epsilon and r.get("status") == "ok"]
+        synthetic = [r["synthetic"] for r in group if "synthetic" in r]
+        entry = {"arm": arm, "target_epsilon": epsilon, "seeds": [r["seed"] for r in group],
+                 "failed": sum(1 for r in rows if r["arm"] == arm and r["epsilon"] == epsilon
+                               and r.get("status") != "ok"),
+                 "val_acc": mean_std([r.get("val_acc") for r in group]),
+                 "epsilon_spent": mean_std([r.get("epsilon_spent") for r in group])}
+        for key in ("rows", "distinct_1", "distinct_2", "distinct_3", f"overlap_{OVERLAP_N}gram", "mean_words"):
+            entry[key] = mean_std([s.get(key) for s in synthetic]) if synthetic else None
+        summary.append(entry)
+    return summary
+
+
+def render_table(results: dict[str, Any]) -> str:
+    s, m, subset = results["settings"], results["machine"], results["training_subset"]
+    lines = [
+        "# DP synthetic data: SmolLM2-135M-Instruct on SST-2",
+        "",
+        (f"Profile `{s['profile']}`. Private set: {subset['rule']} (positive share "
+         f"{subset.get('positive_share', float('nan')):.2f}); evaluation on {subset['dev_rule']} ({subset['dev_rows']} "
+         f"rows). DP LM: `dplit lm fit --config {LM_CONFIG}`, prompt = the label's control prompt "
+         f"{json.dumps(list(CONTROL_PROMPTS.values()))}, response = the review (loss on the response only), expected "
+         f"batch {s['lm_batch_size']}, {s['lm_epochs']} epoch(s), AdamW lr {s['lm_lr']:g}, C = {s['lm_max_grad_norm']:g} "
+         f"(summed token loss), max length {s['lm_max_length']}. Generation: {s['synthetic_per_label']} samples per "
+         f"label, temperature {s['temperature']:g}, top-p {s['top_p']:g}, at most {s['max_new_tokens']} new tokens. "
+         f"Classifier on the synthetic rows: no DP (post-processing), {s['synthetic_epochs']} epoch(s), batch "
+         f"{s['synthetic_batch_size']}, AdamW lr {s['synthetic_lr']:g}, fixed in advance (not tuned on dev). DP "
+         f"classifier on the private rows: the tying study's `dp_tied` arm, expected batch {s['batch_size']}, "
+         f"{s['epochs']} epoch(s), lr {s['lr']:g}, C = {s['max_grad_norm']:g}. All DP runs: ghost clipping, σ "
+         f"calibrated by `target_epsilon`, δ = N^-1.1, PRV accountant, tied embeddings (SmolLM2's own). Model: "
+         f"{sst2.model_line(results['sources'])}. {s['precision']} on {s['accelerator']}, "
+         f"{s['threads'] or 'default'} torch thread(s) per process, seeds {s['seeds']}."),
+        "",
+        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB"
+        + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
+        + f"; torch {m['torch']}, transformers {m['transformers']}, lightning {m['lightning']}, opacus {m['opacus']}. "
+        f"dplit commit `{results['git']['commit'][:12]}`"
+        + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
+        + f". Wall time: {results['wall_s'] / 60:.1f} min.",
+        "",
+        "| arm | ε | dev acc % | synthetic rows | distinct-1 / -2 / -3 | 8-grams found in the private rows % |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for a in results["summary"]:
+        eps = "0 (no training)" if a["arm"] == "zero_shot" else plus_minus(a["epsilon_spent"], digits=2)
+        acc = plus_minus(a["val_acc"], 100) + (f" ({a['failed']} failed)" if a["failed"] else "")
+        if a.get("rows"):
+            distinct = " / ".join(plus_minus(a[f"distinct_{n}"], digits=2) for n in (1, 2, 3))
+            extra = (f"{plus_minus(a['rows'], digits=0)} | {distinct} | "
+                     f"{plus_minus(a[f'overlap_{OVERLAP_N}gram'], 100, digits=2)}")
+        else:
+            extra = "– | – | –"
+        lines.append(f"| {ARM_LABELS[a['arm']]} | {eps} | {acc} | {extra} |")
+    lines += [
+        "",
+        ("ε: the accountant's ε after training (for the synthetic arm, the LM's, from its exported card; the "
+         "synthetic rows and the classifier trained on them inherit it). mean ± std over seeds. distinct-n: distinct "
+         f"word n-grams over all n-grams of the synthetic set (lower-cased). {OVERLAP_N}-grams found: the share of the "
+         f"synthetic set's word {OVERLAP_N}-grams that occur verbatim in the private training rows."),
+        "",
+        "Every run:",
+        "",
+        "| run | status | dev acc % | ε | LM steps | LM σ | synthetic rows (positive) | stage times s |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in results["runs"]:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['name']} | failed: {str(r.get('message', ''))[:160]} | | | | | | |")
+            continue
+        eps = r.get("epsilon_spent")
+        if "lm" in r:
+            lm, syn = r["lm"], r["synthetic"]
+            times = ", ".join(f"{k[:-7]} {r[k]:.0f}" for k in ("lm_fit_wall_s", "export_wall_s", "generate_wall_s"))
+            times += f", classifier {r['classifier']['process_wall_s']:.0f}"
+            lines.append(f"| {r['name']} | ok | {r['val_acc'] * 100:.1f} | {eps:.3f} | {lm['steps']} | "
+                         f"{lm['noise_multiplier']:.3f} | {syn['rows']} ({syn['positive']}) | {times} |")
+        else:
+            lines.append(f"| {r['name']} | ok | {r['val_acc'] * 100:.1f} | "
+                         f"{'–' if eps is None else f'{eps:.3f}'} | – | – | – | {r['process_wall_s']:.0f} |")
+    lines += ["", f"Command: `{results['command']}`", ""]
+    return "\n".join(lines)
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> None:
+    results["summary"] = summarize(results["runs"])
+    write_json(results, out / "results.json")
+    (out / "table.md").write_text(render_table(results))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Main
+
+
+def prepare_files(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str, Any]:
+    """The private instructions, the LM's validation rows and the prompts file, from the local SST-2 train.tsv."""
+    if sources["data_dir"] is None:
+        raise SystemExit("the synthetic-data pipeline reads SST-2's train.tsv: give --data-dir or --data-root")
+    train = Path(sources.get("original_data_dir") or sources["data_dir"]) / "train.tsv"
+    private = read_sst2_rows(train, 0, args.train_examples)
+    held_out = read_sst2_rows(train, len(private), max(args.lm_val_examples, 1))
+    folder = args.logs / "data"
+    return {"train": write_instructions(private, folder / "private.jsonl"),
+            "val": write_instructions(held_out, folder / "lm_val.jsonl"),
+            "prompts": write_prompts(folder / "prompts.jsonl"), "private_texts": [text for text, _ in private]}
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, float | None, int]]:
+    """(arm, ε, seed) in running order: zero-shot once, then per seed and ε the DP classifier and the pipeline."""
+    runs: list[tuple[str, float | None, int]] = [("zero_shot", None, args.seeds[0])]
+    for seed in args.seeds:
+        for epsilon in args.epsilons:
+            runs += [("dp_tied", epsilon, seed), ("synthetic", epsilon, seed)]
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    install_stop_handlers()
+    sources = sst2.prepare(args)
+    runs = plan(args)
+    if args.dry_run:
+        for arm, epsilon, seed in runs:
+            print(f"# {arm} ε={epsilon} seed={seed}")
+        return
+    files = prepare_files(args, sources)
+    results: dict[str, Any] = {
+        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.synthetic " + shlex.join(argv),
+        "machine": machine_info(), "git": git_info(*GIT_PATHS),
+        "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
+        "settings": {k: getattr(args, k) for k in PROFILES["default"]} | {"profile": args.profile,
+                                                                        "control_prompts": CONTROL_PROMPTS},
+        "training_subset": sst2.subset_description(args, sources), "runs": [], "wall_s": 0.0, "complete": False,
+    }
+    print(f"{len(runs)} runs; profile {args.profile}; {results['training_subset']['rule']}; out {relative(args.out)}",
+          flush=True)
+    start = time.perf_counter()
+    for index, (arm, epsilon, seed) in enumerate(runs, 1):
+        print(f"[{time.perf_counter() - start:6.0f} s] {index}/{len(runs)} {arm} ε={epsilon} seed={seed} ...", end=" ",
+              flush=True)
+        if arm == "synthetic":
+            row = run_pipeline(args, sources, files, epsilon, seed)
+        else:
+            row = run_classifier(args, sources, arm, epsilon, seed)
+        results["runs"].append(row)
+        results["wall_s"] = time.perf_counter() - start
+        write_outputs(results, args.out)
+        print(f"acc {row['val_acc'] * 100:.1f}%" if row.get("status") == "ok" else f"FAILED: {row.get('message')}",
+              flush=True)
+    results["complete"] = True
+    if git_info(*GIT_PATHS) != results["git"]:
+        results["git"]["changed_during_run"] = git_info(*GIT_PATHS)
+    write_outputs(results, args.out)
+    print((args.out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

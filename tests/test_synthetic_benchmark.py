@@ -1,0 +1,84 @@
+"""The synthetic-data pipeline's own pieces: the files it hands to dplit and the statistics it reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.synthetic import (
+    CONTROL_PROMPTS,
+    distinct_n,
+    overlap_share,
+    parse_args,
+    read_sst2_rows,
+    write_instructions,
+    write_prompts,
+    write_synthetic_tsv,
+)
+from dplit.data import GlueDataModule
+from dplit.data.text import TextDataModule
+from dplit.release.generate import read_prompts
+from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
+
+
+def test_rows_are_read_with_quoting_off_from_an_offset(tmp_path: Path) -> None:
+    path = write_tsv(tmp_path, "train.tsv", SST2_HEADER, SST2_ROWS)
+    assert read_sst2_rows(path, 0, 2) == [("it 's a charming and often affecting journey . ", "1"),
+                                          ("unflinchingly bleak and desperate ", "0")]
+    assert read_sst2_rows(path, 2, None) == [('" the emperor \'s new clothes " is a waste of time . ', "0")]
+
+
+def test_private_rows_become_instructions_with_the_loss_on_the_review_only(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    rows = read_sst2_rows(write_tsv(tmp_path, "train.tsv", SST2_HEADER, SST2_ROWS), 0, None)
+    train = write_instructions(rows, tmp_path / "lm" / "train.jsonl")
+    data = TextDataModule(train_file=str(train), val_file=str(train), prompt_column="prompt",
+                          response_column="response", tokenizer=str(tiny_bpe_dir), max_length=64)
+    tokenizer = data.tokenizer
+    for (sentence, label), example in zip(rows, data.dataset("train")):
+        prompt_ids = tokenizer.encode(CONTROL_PROMPTS[label])
+        assert example["input_ids"][: len(prompt_ids)] == prompt_ids
+        assert example["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(example["input_ids"]) - len(prompt_ids))
+        assert tokenizer.decode(example["input_ids"][len(prompt_ids) : -1]) == sentence
+
+
+def test_the_prompts_file_asks_each_label_by_its_control_prompt(tmp_path: Path) -> None:
+    prompts = read_prompts(write_prompts(tmp_path / "prompts.jsonl"))
+    assert [(p.text, p.label) for p in prompts] == [(text, label) for label, text in CONTROL_PROMPTS.items()]
+
+
+def test_synthetic_samples_become_a_glue_folder_dplit_reads(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    dev = write_tsv(tmp_path / "real", "dev.tsv", SST2_HEADER, SST2_ROWS)
+    samples = [{"label": "1", "text": "a fine\tfilm\nwith heart"}, {"label": "0", "text": "  \n"},
+               {"label": "0", "text": 'a " dull one'}]
+    counts = write_synthetic_tsv(samples, tmp_path / "synthetic", dev)
+    assert counts == {"rows": 2, "dropped_empty": 1, "positive": 1}
+    data = GlueDataModule("sst2", data_dir=str(tmp_path / "synthetic"), tokenizer=str(tiny_bpe_dir),
+                          label_words={"0": " negative", "1": " positive"})
+    assert [int(example["label"]) for example in data.dataset("train")] == [1, 0]
+    assert len(data.dataset("dev")) == len(SST2_ROWS)
+    assert (tmp_path / "synthetic" / "train.tsv").read_text().splitlines()[1] == "a fine film with heart\t1"
+
+
+def test_distinct_n_by_hand() -> None:
+    texts = ["the film is good", "The film is bad"]
+    assert distinct_n(texts, 1) == pytest.approx(5 / 8)  # the, film, is, good, bad
+    assert distinct_n(texts, 2) == pytest.approx(4 / 6)  # the film, film is, is good, is bad
+    assert distinct_n(["one"], 2) is None
+
+
+def test_overlap_counts_verbatim_8_grams_of_the_private_rows() -> None:
+    private = ["a b c d e f g h i j"]  # 8-grams: a..h, b..i, c..j
+    synthetic = ["x a b c d e f g h", "c d e f g h i j"]  # 2 + 1 8-grams, of which 1 + 1 are private
+    assert overlap_share(synthetic, private) == pytest.approx(2 / 3)
+    assert overlap_share(["too short"], private) is None
+
+
+def test_profiles_fill_every_setting_and_flags_override_them() -> None:
+    args = parse_args(["--seeds", "3", "--synthetic-per-label", "5"])
+    assert args.seeds == [3] and args.synthetic_per_label == 5 and args.train_examples == 320
+    assert parse_args(["--train-examples", "0", "--full"]).train_examples is None
+    with pytest.raises(SystemExit):
+        parse_args(["--lm-batch-size", "0"])
+    json.dumps({key: value for key, value in vars(args).items() if not isinstance(value, Path)})
