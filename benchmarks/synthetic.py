@@ -46,7 +46,9 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
 from benchmarks import tying  # noqa: E402
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_arm, run_process  # noqa: E402
-from benchmarks.study.record import ROOT, git_info, machine_info, mean_std, plus_minus, relative, write_json  # noqa: E402
+from benchmarks.study.record import (  # noqa: E402
+    ROOT, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
+)
 
 LM_CONFIG = "configs/smollm2_lm.yaml"
 CONTROL_PROMPTS = {"0": "Write a negative movie review:\n", "1": "Write a positive movie review:\n"}
@@ -390,7 +392,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_table(results: dict[str, Any]) -> str:
-    s, m, subset = results["settings"], results["machine"], results["training_subset"]
+    s, subset = results["settings"], results["training_subset"]
     lines = [
         "# DP synthetic data: SmolLM2-135M-Instruct on SST-2",
         "",
@@ -409,12 +411,7 @@ def render_table(results: dict[str, Any]) -> str:
          f"{sst2.model_line(results['sources'])}. {s['precision']} on {s['accelerator']}, "
          f"{s['threads'] or 'default'} torch thread(s) per process, seeds {s['seeds']}."),
         "",
-        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB"
-        + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
-        + f"; torch {m['torch']}, transformers {m['transformers']}, lightning {m['lightning']}, opacus {m['opacus']}. "
-        f"dplit commit `{results['git']['commit'][:12]}`"
-        + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
-        + f". Wall time: {results['wall_s'] / 60:.1f} min.",
+        machine_line(results) + f". Wall time: {results['wall_s'] / 60:.1f} min.",
         "",
         "| arm | ε | dev acc % | synthetic rows | distinct-1 / -2 / -3 | 8-grams found in the private rows % |",
         "|---|---:|---:|---:|---:|---:|",

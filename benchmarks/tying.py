@@ -50,7 +50,9 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
 
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_all  # noqa: E402
-from benchmarks.study.record import ROOT, git_info, machine_info, mean_std, plus_minus, relative, write_json  # noqa: E402
+from benchmarks.study.record import (  # noqa: E402
+    ROOT, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
+)
 
 TIED, UNTIED, LORA = (f"configs/smollm2_sst2_{name}.yaml" for name in ("tied", "untied", "lora"))
 
@@ -273,7 +275,7 @@ def _arm_label(arm: str, epsilon: float | None) -> str:
 
 
 def render_table(results: dict[str, Any]) -> str:
-    s, m, subset = results["settings"], results["machine"], results["training_subset"]
+    s, subset = results["settings"], results["training_subset"]
     lines = [
         "# Tied vs untied embeddings under DP-SGD: SmolLM2-135M-Instruct on SST-2",
         "",
@@ -285,12 +287,7 @@ def render_table(results: dict[str, Any]) -> str:
         f"accountant; {s['precision']} on {s['accelerator']}, {s['threads'] or 'default'} torch thread(s) per arm. "
         f"Model: {sst2.model_line(results['sources'])}. Validation order: {subset.get('dev_order')}."),
         "",
-        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB"
-        + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
-        + f"; torch {m['torch']}, transformers {m['transformers']}, lightning {m['lightning']}, opacus {m['opacus']}. "
-        f"dplit commit `{results['git']['commit'][:12]}`"
-        + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
-        + f". Wall time of the whole study: {results['wall_s'] / 60:.1f} min.",
+        machine_line(results) + f". Wall time of the whole study: {results['wall_s'] / 60:.1f} min.",
         "",
         "| arm | ε spent | val acc % (mean ± std) | seeds | steps | σ | step time s | peak RSS MB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

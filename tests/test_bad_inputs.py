@@ -242,6 +242,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("generate-empty-prompts-file", generating("\n\n", name="prompts.txt"), r"^--prompts_file .*prompts\.txt: no prompts \(the file is empty\)$"),
     ("generate-prompts-without-the-column", generating('{"text": "Write a review:"}\n'), r"^--prompts_file .*prompts\.jsonl line 1: no non-empty text column 'prompt' \(--prompt_column\)$"),
     ("generate-zero-samples", generating('{"prompt": "Write a review:"}\n', samples="0"), r"^--num_samples=0: must be an integer ≥ 1$"),
+    ("generate-unknown-device", generating('{"prompt": "Write a review:"}\n', "--device", "gpu0"), r"^--device gpu0: not a torch device \(cpu, cuda, cuda:1, \.\.\.\)$"),
     ("generate-missing-model", generating('{"prompt": "Write a review:"}\n', model=False), r"^--model /nonexistent/model: no such file or folder$"),
 ]  # fmt: skip
 

@@ -78,7 +78,7 @@ def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     lines.write_text("the movie is\n\nthis film is\n")
     out = tmp_path / "synthetic.jsonl"
     command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(lines),
-               "--num_samples", "2", "--output_file", str(out), "--max_new_tokens", "4", "--seed", "7"]  # fmt: skip
+               "--num_samples", "2", "--output_file", str(out), "--max_new_tokens", "4", "--seed", "7", "--device", "cpu"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]

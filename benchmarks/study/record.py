@@ -48,6 +48,18 @@ def machine_info() -> dict[str, Any]:
             "python": platform.python_version(), **versions}
 
 
+def machine_line(results: dict[str, Any]) -> str:
+    """The machine, package versions and dplit commit of a study's ``results``, as a sentence for its table."""
+    m = results["machine"]
+    return (
+        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB"
+        + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
+        + f"; torch {m['torch']}, transformers {m['transformers']}, lightning {m['lightning']}, opacus {m['opacus']}. "
+        f"dplit commit `{results['git']['commit'][:12]}`"
+        + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
+    )
+
+
 def git_info(*paths: str) -> dict[str, Any]:
     """The commit, and the uncommitted changes under ``paths`` (what the study's numbers depend on)."""
 

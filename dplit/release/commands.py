@@ -13,6 +13,7 @@ from typing_extensions import override
 from dplit.release.export import export_checkpoint, export_summary
 from dplit.release.generate import (
     SamplingSettings,
+    check_device,
     check_model_source,
     check_output_file,
     generate_rows,
@@ -71,6 +72,7 @@ def generate_main(argv: list[str]) -> None:
     parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (the samples are public)")
     parser.add_argument("--batch_size", type=int, default=defaults.batch_size)
+    parser.add_argument("--device", default=None, help="torch device to sample on (default: cuda when available, else cpu)")
     parser.add_argument("--overwrite", action="store_true", help="replace --output_file")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -81,7 +83,9 @@ def generate_main(argv: list[str]) -> None:
     check_model_source(args.model)
     check_output_file(args.output_file, overwrite=args.overwrite)
     prompts = read_prompts(args.prompts_file, prompt_column=args.prompt_column, label_column=args.label_column)
+    device = check_device(args.device)
     backbone, tokenizer, guarantee = load_generator(args.model)
+    backbone.to(device)
     rows = generate_rows(backbone, tokenizer, prompts, settings, progress=not args.no_progress)
     path = write_jsonl(rows, args.output_file)
     rank_zero_info(f"wrote {len(rows)} samples to {path}")

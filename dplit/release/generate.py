@@ -93,6 +93,19 @@ def check_model_source(model: str | Path) -> None:
         raise ValueError(f"--model {model}: no such file or folder")
 
 
+def check_device(device: str | None) -> torch.device:
+    """The device of ``--device`` (``None``: cuda when available, else cpu), refused when unknown or absent."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device}: not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    return chosen
+
+
 def load_generator(model: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any] | None]:
     """The causal LM, its tokenizer and its guarantee, from an exported folder or a dplit checkpoint."""
     check_model_source(model)
