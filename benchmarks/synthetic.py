@@ -17,7 +17,8 @@ For each ε and seed the pipeline runs dplit's own commands, each in its own pro
    shipped ``configs/smollm2_sst2_tied.yaml`` classifier, validated on the real dev split.
 
 Beside it, with the same rows, ε and seed: the DP classifier trained directly on the private rows (the tying study's
-``dp_tied`` arm, :mod:`benchmarks.tying`) and the zero-shot classifier. The synthetic set is also described: its
+``dp_tied`` arm, :mod:`benchmarks.tying`), the zero-shot classifier, and the control: steps 3-4 from the pretrained
+model itself (no private row read), which shows what the DP fine-tuning added. The synthetic set is also described: its
 size and label balance, distinct-1/2/3 (distinct n-grams over all n-grams, lower-cased words), and the share of its
 8-grams found verbatim in the private training rows (memorisation; the control prompts are not part of any sample).
 
@@ -301,43 +302,52 @@ def dplit_command(argv: list[str]) -> list[str]:
 # One pipeline
 
 
-def run_pipeline(args: argparse.Namespace, sources: dict[str, Any], files: dict[str, Path], epsilon: float,
+def run_pipeline(args: argparse.Namespace, sources: dict[str, Any], files: dict[str, Path], epsilon: float | None,
                  seed: int) -> dict[str, Any]:
-    """DP LM → export → generate → non-private classifier on the synthetic rows: one row of the table."""
-    name = f"synthetic-eps{epsilon:g}-seed{seed}"
+    """DP LM → export → generate → non-private classifier on the synthetic rows: one row of the table.
+
+    ``epsilon=None`` is the control: the same generation from the pretrained model itself (no private row is read),
+    which shows what the DP fine-tuning adds to the instruct model's own reviews.
+    """
+    arm = "synthetic" if epsilon is not None else "synthetic_pretrained"
+    name = f"synthetic-eps{epsilon:g}-seed{seed}" if epsilon is not None else f"synthetic-pretrained-seed{seed}"
     folder = args.logs / name
-    row: dict[str, Any] = {"arm": "synthetic", "epsilon": epsilon, "seed": seed, "name": name}
+    row: dict[str, Any] = {"arm": arm, "epsilon": epsilon, "seed": seed, "name": name}
     started = time.perf_counter()
     lm_folder, export, samples = folder / "lm", folder / "export", folder / "synthetic.jsonl"
     lm_folder.mkdir(parents=True, exist_ok=True)
-    stages = [
-        ("lm_fit", lambda: lm_fit_args(args, sources, files, epsilon, seed, lm_folder)),
-        ("export", lambda: ["export", "--ckpt_path", str(_last_checkpoint(lm_folder)), "--output_dir", str(export),
-                            "--overwrite"]),
-        ("generate", lambda: generate_args(args, export, files["prompts"], samples, seed)),
-    ]
+    model = export if epsilon is not None else Path(sources["pretrained"])
+    stages = [("generate", lambda: generate_args(args, model, files["prompts"], samples, seed))]
+    if epsilon is not None:
+        stages[:0] = [
+            ("lm_fit", lambda: lm_fit_args(args, sources, files, epsilon, seed, lm_folder)),
+            ("export", lambda: ["export", "--ckpt_path", str(_last_checkpoint(lm_folder)), "--output_dir",
+                                str(export), "--overwrite"]),
+        ]
     for stage, argv in stages:
         stage_started = time.perf_counter()
         problem = _run_dplit(args, argv(), folder / f"{stage}.log")
         row[f"{stage}_wall_s"] = time.perf_counter() - stage_started
         if problem:
             return {**row, "status": "failed", "message": f"{stage}: {problem}"}
-    card = json.loads((export / "dp_guarantee.json").read_text())
-    row["lm"] = {key: card.get(key) for key in ("differentially_private", "epsilon", "delta", "noise_multiplier",
-                                                "max_grad_norm", "expected_batch_size", "sample_rate", "steps",
-                                                "dataset_size", "clipping", "tied_norm")}
+    if epsilon is not None:
+        card = json.loads((export / "dp_guarantee.json").read_text())
+        row["lm"] = {key: card.get(key) for key in ("differentially_private", "epsilon", "delta", "noise_multiplier",
+                                                    "max_grad_norm", "expected_batch_size", "sample_rate", "steps",
+                                                    "dataset_size", "clipping", "tied_norm")}
     generated = [json.loads(line) for line in samples.read_text().splitlines()]
     row["synthetic"] = write_synthetic_tsv(generated, folder / "data", Path(sources["data_dir"]) / "dev.tsv")
     row["synthetic"].update(describe_synthetic([s["text"] for s in generated], files["private_texts"]))
-    arm = run_arm(name, classifier_args(args, sources, "non_private", None, seed, folder / "classifier",
-                                        synthetic=folder / "data"),
-                  folder / "classifier", threads=args.threads, timeout=args.timeout)
-    row["classifier"] = {key: arm.get(key) for key in ("status", "message", "val_acc", "val_loss", "steps",
-                                                      "train_examples", "step_time_s", "process_wall_s", "log")}
+    classifier = run_arm(name, classifier_args(args, sources, "non_private", None, seed, folder / "classifier",
+                                               synthetic=folder / "data"),
+                         folder / "classifier", threads=args.threads, timeout=args.timeout)
+    row["classifier"] = {key: classifier.get(key) for key in ("status", "message", "val_acc", "val_loss", "steps",
+                                                             "train_examples", "step_time_s", "process_wall_s", "log")}
     row["pipeline_wall_s"] = time.perf_counter() - started
-    if arm.get("status") != "ok":
-        return {**row, "status": "failed", "message": f"classifier: {arm.get('message')}"}
-    return {**row, "status": "ok", "val_acc": arm["val_acc"], "epsilon_spent": card.get("epsilon")}
+    if classifier.get("status") != "ok":
+        return {**row, "status": "failed", "message": f"classifier: {classifier.get('message')}"}
+    spent = row["lm"]["epsilon"] if epsilon is not None else 0.0
+    return {**row, "status": "ok", "val_acc": classifier["val_acc"], "epsilon_spent": spent}
 
 
 def _run_dplit(args: argparse.Namespace, argv: list[str], log: Path) -> str | None:
@@ -367,7 +377,8 @@ def run_classifier(args: argparse.Namespace, sources: dict[str, Any], arm: str, 
 
 
 ARM_LABELS = {"zero_shot": "zero-shot (no training)", "dp_classifier": "DP classifier on the private rows",
-              "synthetic": "non-private classifier on DP synthetic rows"}
+              "synthetic_pretrained": "classifier on synthetic rows of the pretrained LM (no private data)",
+              "synthetic": "classifier on DP synthetic rows (DP LM)"}
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -417,7 +428,8 @@ def render_table(results: dict[str, Any]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for a in results["summary"]:
-        eps = "0 (no training)" if a["arm"] == "zero_shot" else plus_minus(a["epsilon_spent"], digits=2)
+        eps = {"zero_shot": "0 (no training)", "synthetic_pretrained": "0 (no private data)"}.get(
+            a["arm"], plus_minus(a["epsilon_spent"], digits=2))
         acc = plus_minus(a["val_acc"], 100) + (f" ({a['failed']} failed)" if a["failed"] else "")
         if a.get("rows"):
             distinct = " / ".join(plus_minus(a[f"distinct_{n}"], digits=2) for n in (1, 2, 3))
@@ -428,8 +440,9 @@ def render_table(results: dict[str, Any]) -> str:
         lines.append(f"| {ARM_LABELS[a['arm']]} | {eps} | {acc} | {extra} |")
     lines += [
         "",
-        ("ε: the accountant's ε after training (for the synthetic arm, the LM's, from its exported card; the "
-         "synthetic rows and the classifier trained on them inherit it). mean ± std over seeds. distinct-n: distinct "
+        ("ε: the accountant's ε after training (for the DP synthetic rows, the LM's, from its exported card; the "
+         "synthetic rows and the classifier trained on them inherit it). The pretrained LM's rows are the control: "
+         "the same prompts and sampling without any fine-tuning. mean ± std over seeds. distinct-n: distinct "
          f"word n-grams over all n-grams of the synthetic set (lower-cased). {OVERLAP_N}-grams found: the share of the "
          f"synthetic set's word {OVERLAP_N}-grams that occur verbatim in the private training rows."),
         "",
@@ -443,17 +456,20 @@ def render_table(results: dict[str, Any]) -> str:
             lines.append(f"| {r['name']} | failed: {str(r.get('message', ''))[:160]} | | | | | | |")
             continue
         eps = r.get("epsilon_spent")
-        if "lm" in r:
-            lm, syn = r["lm"], r["synthetic"]
-            times = ", ".join(f"{k[:-7]} {r[k]:.0f}" for k in ("lm_fit_wall_s", "export_wall_s", "generate_wall_s"))
-            times += f", classifier {r['classifier']['process_wall_s']:.0f}"
-            lines.append(f"| {r['name']} | ok | {r['val_acc'] * 100:.1f} | {eps:.3f} | {lm['steps']} | "
-                         f"{lm['noise_multiplier']:.3f} | {syn['rows']} ({syn['positive']}) | {times} |")
-        else:
-            lines.append(f"| {r['name']} | ok | {r['val_acc'] * 100:.1f} | "
-                         f"{'–' if eps is None else f'{eps:.3f}'} | – | – | – | {r['process_wall_s']:.0f} |")
+        lm, syn = r.get("lm") or {}, r.get("synthetic")
+        stages = [f"{stage} {r[f'{stage}_wall_s']:.0f}" for stage in ("lm_fit", "export", "generate")
+                  if f"{stage}_wall_s" in r]
+        stages.append(f"classifier {r['classifier']['process_wall_s']:.0f}" if "classifier" in r
+                      else f"process {r['process_wall_s']:.0f}")
+        rows = f"{syn['rows']} ({syn['positive']})" if syn else "–"
+        lines.append(f"| {r['name']} | ok | {r['val_acc'] * 100:.1f} | {_number(eps, 3)} | {lm.get('steps', '–')} | "
+                     f"{_number(lm.get('noise_multiplier'), 3)} | {rows} | {', '.join(stages)} |")
     lines += ["", f"Command: `{results['command']}`", ""]
     return "\n".join(lines)
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
@@ -480,9 +496,11 @@ def prepare_files(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, float | None, int]]:
-    """(arm, ε, seed) in running order: zero-shot once, then per seed and ε the DP classifier and the pipeline."""
+    """(arm, ε, seed) in running order: zero-shot once; per seed the pretrained control, then per ε the DP classifier
+    and the pipeline."""
     runs: list[tuple[str, float | None, int]] = [("zero_shot", None, args.seeds[0])]
     for seed in args.seeds:
+        runs.append(("synthetic", None, seed))  # the control: synthetic rows of the pretrained model itself
         for epsilon in args.epsilons:
             runs += [("dp_tied", epsilon, seed), ("synthetic", epsilon, seed)]
     return runs

@@ -12,6 +12,7 @@ from benchmarks.synthetic import (
     distinct_n,
     overlap_share,
     parse_args,
+    plan,
     read_sst2_rows,
     write_instructions,
     write_prompts,
@@ -82,3 +83,11 @@ def test_profiles_fill_every_setting_and_flags_override_them() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--lm-batch-size", "0"])
     json.dumps({key: value for key, value in vars(args).items() if not isinstance(value, Path)})
+
+
+def test_the_plan_runs_the_pretrained_control_and_both_dp_arms_per_seed_and_epsilon() -> None:
+    assert plan(parse_args(["--seeds", "0", "1", "--epsilons", "3"])) == [
+        ("zero_shot", None, 0),
+        ("synthetic", None, 0), ("dp_tied", 3.0, 0), ("synthetic", 3.0, 0),
+        ("synthetic", None, 1), ("dp_tied", 3.0, 1), ("synthetic", 3.0, 1),
+    ]  # fmt: skip
