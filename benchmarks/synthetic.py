@@ -3,8 +3,8 @@ NON-private classifier trained on the synthetic rows only → accuracy on the re
 
     python -m benchmarks.synthetic --smoke     # 32 private rows, 1 ε, 64 dev rows: a few minutes (a check)
     python -m benchmarks.synthetic             # default CPU profile (see PROFILES): under an hour on 2 CPU cores
-    python -m benchmarks.synthetic --full      # all 67,349 rows, the LM recipe of configs/smollm2_lm.yaml: a GPU
-    python -m benchmarks.synthetic --hub       # weights, tokenizer and GLUE from the Hugging Face hub
+    python -m benchmarks.synthetic --full      # all 67,349 rows, LM batch and lr of configs/smollm2_lm.yaml: a GPU
+    python -m benchmarks.synthetic --hub --data-dir DIR   # weights and tokenizer from the hub, SST-2 TSVs from DIR
 
 For each ε and seed the pipeline runs dplit's own commands, each in its own process:
 
@@ -20,11 +20,17 @@ Beside it, with the same rows, ε and seed: the DP classifier trained directly o
 ``dp_tied`` arm, :mod:`benchmarks.tying`), the zero-shot classifier, and the control: steps 3-4 from the pretrained
 model itself (no private row read), which shows what the DP fine-tuning added. The synthetic set is also described: its
 size and label balance, distinct-1/2/3 (distinct n-grams over all n-grams, lower-cased words), and the share of its
-8-grams found verbatim in the private training rows (memorisation; the control prompts are not part of any sample).
+8-grams found verbatim in the private training rows, beside the same share for real held-out SST-2 rows (what
+unrelated text of the same kind shares by chance), and the share of synthetic rows that repeat a private row whole
+(memorisation; the control prompts are not part of any sample). Words are lower-cased and split as SST-2 is
+(punctuation and clitics such as "n't" and "'s" apart), so the fine-tuned LM's SST-2-like text and the pretrained
+model's ordinary English are counted alike.
 
 Everything reads only the first ``--train-examples`` rows of SST-2's train.tsv (the private set); the next
-``--lm-val-examples`` rows are the LM's validation file (a perplexity it logs, never used to choose anything); the
-dev split is only the final evaluation. ``results.json``, ``table.md`` go to ``--out`` (default
+``--lm-val-examples`` rows are the LM's validation file (a perplexity it logs, never used to choose anything; with the
+whole split private, as in ``--full``, its last rows, so then only a training-fit monitor); the dev split is only
+the final evaluation. The pipeline reads SST-2 from local TSVs (``$DPLIT_DATA_DIR``, ``--data-root`` or
+``--data-dir``); the pretrained control needs a local model folder (it is left out, saying why, otherwise). ``results.json``, ``table.md`` go to ``--out`` (default
 ``benchmarks/results/synthetic/``), logs, checkpoints, exports and synthetic sets to ``--logs`` (git-ignored).
 """
 
@@ -34,6 +40,7 @@ import argparse
 import copy
 import datetime
 import json
+import re
 import shlex
 import sys
 import time
@@ -79,7 +86,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
     # The whole train split; the LM with configs/smollm2_lm.yaml's batch and learning rate, 3 epochs. For a GPU.
     "full": {
-        "train_examples": None, "lm_val_examples": 0, "epsilons": [3.0, 8.0], "seeds": [0, 1, 2],
+        "train_examples": None, "lm_val_examples": 64, "epsilons": [3.0, 8.0], "seeds": [0, 1, 2],
         "epochs": 3, "batch_size": 1000, "lr": 5e-4, "max_grad_norm": 0.1,
         "lm_epochs": 3, "lm_batch_size": 256, "lm_lr": 2e-4, "lm_max_grad_norm": 1.0, "lm_max_length": 128,
         "synthetic_per_label": 5000, "max_new_tokens": 64, "temperature": 1.0, "top_p": 0.9,
@@ -137,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sst2.add_source_arguments(parser)
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/synthetic[/full])")
     parser.add_argument("--logs", type=Path, help="logs folder (default benchmarks/out/synthetic/<profile>)")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan's commands and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (arm, ε, seed) and exit")
     args = parser.parse_args(argv)
     args.profile = "smoke" if args.smoke else "full" if args.full else "default"
     for key, value in PROFILES[args.profile].items():
@@ -211,8 +218,9 @@ def write_synthetic_tsv(samples: list[dict[str, Any]], folder: Path, dev: Path) 
 
 
 def words(text: str) -> list[str]:
-    """Lower-cased whitespace-separated words (SST-2 is already tokenised this way)."""
-    return text.lower().split()
+    """Lower-cased words split as SST-2 is: punctuation and the clitics ``n't``, ``'s``, ``'re``, ... apart."""
+    text = re.sub(r"(\w)n't\b", r"\1 n't", text.lower())
+    return re.findall(r"n't|'\w+|\w+|[^\w\s]", text)
 
 
 def ngrams(text: str, n: int) -> list[tuple[str, ...]]:
@@ -234,10 +242,19 @@ def overlap_share(texts: list[str], private: list[str], n: int = OVERLAP_N) -> f
     return sum(gram in seen for gram in grams) / len(grams) if grams else None
 
 
-def describe_synthetic(texts: list[str], private: list[str]) -> dict[str, Any]:
-    """Diversity and memorisation of a synthetic set, measured against the private rows."""
+def describe_synthetic(texts: list[str], private: list[str], held_out: list[str] | None) -> dict[str, Any]:
+    """Diversity and memorisation of a synthetic set, measured against the private rows.
+
+    Args:
+        texts: the synthetic rows (as written to the classifier's train.tsv).
+        private: the private training rows.
+        held_out: real rows outside the private set, for the chance level of the overlap (``None``: none).
+    """
+    known = {tuple(words(text)) for text in private}
     return {"distinct_1": distinct_n(texts, 1), "distinct_2": distinct_n(texts, 2), "distinct_3": distinct_n(texts, 3),
             f"overlap_{OVERLAP_N}gram": overlap_share(texts, private),
+            f"held_out_overlap_{OVERLAP_N}gram": overlap_share(held_out, private) if held_out else None,
+            "copied_rows": sum(tuple(words(text)) in known for text in texts) / len(texts) if texts else None,
             f"{OVERLAP_N}grams": sum(len(ngrams(text, OVERLAP_N)) for text in texts),
             "mean_words": sum(len(words(text)) for text in texts) / len(texts) if texts else None}
 
@@ -278,7 +295,16 @@ def generate_args(args: argparse.Namespace, model: Path, prompts: Path, output: 
             "--num_samples", str(args.synthetic_per_label), "--output_file", str(output), "--overwrite",
             "--temperature", repr(args.temperature), "--top_p", repr(args.top_p),
             "--max_new_tokens", str(args.max_new_tokens), "--seed", str(seed),
-            "--batch_size", str(args.generate_batch_size), "--no_progress"]
+            "--batch_size", str(args.generate_batch_size), "--device", generation_device(args), "--no_progress"]
+
+
+def generation_device(args: argparse.Namespace) -> str:
+    """Where ``dplit lm generate`` samples: the CPU when the study trains there, else CUDA when there is one."""
+    if args.accelerator == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def classifier_args(args: argparse.Namespace, sources: dict[str, Any], arm: str, epsilon: float | None, seed: int,
@@ -332,12 +358,16 @@ def run_pipeline(args: argparse.Namespace, sources: dict[str, Any], files: dict[
             return {**row, "status": "failed", "message": f"{stage}: {problem}"}
     if epsilon is not None:
         card = json.loads((export / "dp_guarantee.json").read_text())
+        if not card.get("differentially_private") or card.get("epsilon") is None:
+            return {**row, "status": "failed", "message": f"export: the LM is not DP ({card.get('reason')})"}
         row["lm"] = {key: card.get(key) for key in ("differentially_private", "epsilon", "delta", "noise_multiplier",
                                                     "max_grad_norm", "expected_batch_size", "sample_rate", "steps",
                                                     "dataset_size", "clipping", "tied_norm")}
     generated = [json.loads(line) for line in samples.read_text().splitlines()]
+    row["generation_device"] = generation_device(args)
     row["synthetic"] = write_synthetic_tsv(generated, folder / "data", Path(sources["data_dir"]) / "dev.tsv")
-    row["synthetic"].update(describe_synthetic([s["text"] for s in generated], files["private_texts"]))
+    kept = [" ".join(sample["text"].split()) for sample in generated if sample["text"].strip()]
+    row["synthetic"].update(describe_synthetic(kept, files["private_texts"], files["held_out_texts"]))
     classifier = run_arm(name, classifier_args(args, sources, "non_private", None, seed, folder / "classifier",
                                                synthetic=folder / "data"),
                          folder / "classifier", threads=args.threads, timeout=args.timeout)
@@ -396,7 +426,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                and r.get("status") != "ok"),
                  "val_acc": mean_std([r.get("val_acc") for r in group]),
                  "epsilon_spent": mean_std([r.get("epsilon_spent") for r in group])}
-        for key in ("rows", "distinct_1", "distinct_2", "distinct_3", f"overlap_{OVERLAP_N}gram", "mean_words"):
+        for key in ("rows", "distinct_1", "distinct_2", "distinct_3", f"overlap_{OVERLAP_N}gram",
+                    f"held_out_overlap_{OVERLAP_N}gram", "copied_rows", "mean_words"):
             entry[key] = mean_std([s.get(key) for s in synthetic]) if synthetic else None
         summary.append(entry)
     return summary
@@ -424,8 +455,9 @@ def render_table(results: dict[str, Any]) -> str:
         "",
         machine_line(results) + f". Wall time: {results['wall_s'] / 60:.1f} min.",
         "",
-        "| arm | ε | dev acc % | synthetic rows | distinct-1 / -2 / -3 | 8-grams found in the private rows % |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| arm | ε | dev acc % | synthetic rows | words per row | distinct-1 / -2 / -3 | 8-grams found in the private "
+        "rows % | rows copied whole % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for a in results["summary"]:
         eps = {"zero_shot": "0 (no training)", "synthetic_pretrained": "0 (no private data)"}.get(
@@ -433,18 +465,22 @@ def render_table(results: dict[str, Any]) -> str:
         acc = plus_minus(a["val_acc"], 100) + (f" ({a['failed']} failed)" if a["failed"] else "")
         if a.get("rows"):
             distinct = " / ".join(plus_minus(a[f"distinct_{n}"], digits=2) for n in (1, 2, 3))
-            extra = (f"{plus_minus(a['rows'], digits=0)} | {distinct} | "
-                     f"{plus_minus(a[f'overlap_{OVERLAP_N}gram'], 100, digits=2)}")
+            extra = (f"{plus_minus(a['rows'], digits=0)} | {plus_minus(a['mean_words'], digits=1)} | {distinct} | "
+                     f"{plus_minus(a[f'overlap_{OVERLAP_N}gram'], 100, digits=2)} | "
+                     f"{plus_minus(a['copied_rows'], 100, digits=2)}")
         else:
-            extra = "– | – | –"
+            extra = "– | – | – | – | –"
         lines.append(f"| {ARM_LABELS[a['arm']]} | {eps} | {acc} | {extra} |")
     lines += [
         "",
         ("ε: the accountant's ε after training (for the DP synthetic rows, the LM's, from its exported card; the "
          "synthetic rows and the classifier trained on them inherit it). The pretrained LM's rows are the control: "
          "the same prompts and sampling without any fine-tuning. mean ± std over seeds. distinct-n: distinct "
-         f"word n-grams over all n-grams of the synthetic set (lower-cased). {OVERLAP_N}-grams found: the share of the "
-         f"synthetic set's word {OVERLAP_N}-grams that occur verbatim in the private training rows."),
+         "word n-grams over all n-grams of the synthetic set (lower-cased words, punctuation and clitics apart, as "
+         f"SST-2 is written). {OVERLAP_N}-grams found: the share of the synthetic set's word {OVERLAP_N}-grams that "
+         f"occur verbatim in the private training rows{_chance(results)}. Rows copied whole: synthetic rows equal to a "
+         "private row (same words). These two columns and the private set's positive share are computed from the "
+         "private rows WITHOUT noise: they are diagnostics for this public data set, not covered by ε."),
         "",
         "Every run:",
         "",
@@ -468,6 +504,16 @@ def render_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _chance(results: dict[str, Any]) -> str:
+    """The overlap that real held-out SST-2 rows have with the private rows, for the table's note."""
+    shares = [r["synthetic"].get(f"held_out_overlap_{OVERLAP_N}gram") for r in results["runs"] if r.get("synthetic")]
+    shares = [share for share in shares if share is not None]
+    if not shares:
+        return ""
+    return (f" (for scale: {shares[0] * 100:.2f}% of the {OVERLAP_N}-grams of {results['settings']['lm_val_examples']} "
+            "real SST-2 train rows outside the private set are found there too)")
+
+
 def _number(value: float | None, digits: int) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
@@ -488,19 +534,22 @@ def prepare_files(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str
         raise SystemExit("the synthetic-data pipeline reads SST-2's train.tsv: give --data-dir or --data-root")
     train = Path(sources.get("original_data_dir") or sources["data_dir"]) / "train.tsv"
     private = read_sst2_rows(train, 0, args.train_examples)
-    held_out = read_sst2_rows(train, len(private), max(args.lm_val_examples, 1))
+    held_out = read_sst2_rows(train, len(private), args.lm_val_examples)
+    monitor = held_out or private[-args.lm_val_examples :]  # the whole split is private: a training-fit monitor
     folder = args.logs / "data"
     return {"train": write_instructions(private, folder / "private.jsonl"),
-            "val": write_instructions(held_out, folder / "lm_val.jsonl"),
-            "prompts": write_prompts(folder / "prompts.jsonl"), "private_texts": [text for text, _ in private]}
+            "val": write_instructions(monitor, folder / "lm_val.jsonl"),
+            "prompts": write_prompts(folder / "prompts.jsonl"), "private_texts": [text for text, _ in private],
+            "held_out_texts": [text for text, _ in held_out] or None}
 
 
-def plan(args: argparse.Namespace) -> list[tuple[str, float | None, int]]:
-    """(arm, ε, seed) in running order: zero-shot once; per seed the pretrained control, then per ε the DP classifier
-    and the pipeline."""
+def plan(args: argparse.Namespace, *, control: bool = True) -> list[tuple[str, float | None, int]]:
+    """(arm, ε, seed) in running order: zero-shot once; per seed the pretrained control (``control``), then per ε the
+    DP classifier and the pipeline."""
     runs: list[tuple[str, float | None, int]] = [("zero_shot", None, args.seeds[0])]
     for seed in args.seeds:
-        runs.append(("synthetic", None, seed))  # the control: synthetic rows of the pretrained model itself
+        if control:
+            runs.append(("synthetic", None, seed))  # synthetic rows of the pretrained model itself
         for epsilon in args.epsilons:
             runs += [("dp_tied", epsilon, seed), ("synthetic", epsilon, seed)]
     return runs
@@ -511,7 +560,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     install_stop_handlers()
     sources = sst2.prepare(args)
-    runs = plan(args)
+    folder = Path(sources["pretrained"])
+    control = (folder / "config.json").is_file() and not sources["gguf_file"]
+    if not control:
+        print(f"no pretrained control: `dplit lm generate` needs a local model folder, and {folder} is not one "
+              "(the hub, or a GGUF with --no-cache)", flush=True)
+    runs = plan(args, control=control)
     if args.dry_run:
         for arm, epsilon, seed in runs:
             print(f"# {arm} ε={epsilon} seed={seed}")

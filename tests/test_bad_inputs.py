@@ -143,7 +143,7 @@ def generating(prompts: str, *extra: str, name: str = "prompts.jsonl", samples: 
         folder = scratch / "model" if model else Path("/nonexistent/model")
         if model:
             folder.mkdir()
-            (folder / "config.json").write_text("{}\n")  # never loaded: a bad prompts file is refused first
+            (folder / "config.json").write_text("{}\n")  # a config without weights: never loads
         (scratch / name).write_text(prompts)
         return ["lm", "generate", "--model", str(folder), "--prompts_file", str(scratch / name),
                 "--num_samples", samples, "--output_file", str(scratch / "synthetic.jsonl"), *extra]  # fmt: skip
@@ -243,6 +243,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("generate-prompts-without-the-column", generating('{"text": "Write a review:"}\n'), r"^--prompts_file .*prompts\.jsonl line 1: no non-empty text column 'prompt' \(--prompt_column\)$"),
     ("generate-zero-samples", generating('{"prompt": "Write a review:"}\n', samples="0"), r"^--num_samples=0: must be an integer ≥ 1$"),
     ("generate-unknown-device", generating('{"prompt": "Write a review:"}\n', "--device", "gpu0"), r"^--device gpu0: not a torch device \(cpu, cuda, cuda:1, \.\.\.\)$"),
+    ("generate-model-folder-without-weights", generating('{"prompt": "Write a review:"}\n'), r"^--model .*model: transformers cannot load this folder as a causal LM with its tokenizer \(ValueError\)"),
     ("generate-missing-model", generating('{"prompt": "Write a review:"}\n', model=False), r"^--model /nonexistent/model: no such file or folder$"),
 ]  # fmt: skip
 

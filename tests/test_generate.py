@@ -64,6 +64,8 @@ def test_a_checkpoint_generates_as_its_export_and_carries_its_guarantee(
     checkpoint, folder = exported_lm
     _, _, from_checkpoint = load_generator(checkpoint)
     _, _, from_folder = load_generator(folder)
+    same = {"num_samples": 2, "max_new_tokens": 5, "seed": 3, "batch_size": 2}
+    assert rows_for(checkpoint, tmp_path, **same) == rows_for(folder, tmp_path, **same)
     assert from_checkpoint["epsilon"] == from_folder["epsilon"] and from_folder["differentially_private"]
     line = privacy_line(from_folder, 4)
     assert f"ε = {from_folder['epsilon']:.4g}" in line and "post-processing" in line

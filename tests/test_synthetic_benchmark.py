@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.synthetic import (
     CONTROL_PROMPTS,
+    classifier_args,
+    describe_synthetic,
     distinct_n,
+    lm_fit_args,
     overlap_share,
     parse_args,
     plan,
+    prepare_files,
     read_sst2_rows,
+    words,
     write_instructions,
     write_prompts,
     write_synthetic_tsv,
 )
+from dplit.cli import run_cli, run_lm_cli
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.release.generate import read_prompts
@@ -91,3 +100,58 @@ def test_the_plan_runs_the_pretrained_control_and_both_dp_arms_per_seed_and_epsi
         ("synthetic", None, 0), ("dp_tied", 3.0, 0), ("synthetic", 3.0, 0),
         ("synthetic", None, 1), ("dp_tied", 3.0, 1), ("synthetic", 3.0, 1),
     ]  # fmt: skip
+
+
+def test_words_split_clitics_and_punctuation_as_sst2_does() -> None:
+    assert words("It doesn't work, it's DULL.") == words("it does n't work , it 's dull .")
+    assert words("it does n't work") == ["it", "does", "n't", "work"]
+
+
+def test_synthetic_statistics_count_copies_and_the_chance_overlap() -> None:
+    private = ["a b c d e f g h i j", "it 's a charming film ."]
+    described = describe_synthetic(["It's a charming film.", "x y z"], private, held_out=["a b c d e f g h z"])
+    assert described["copied_rows"] == pytest.approx(1 / 2)
+    assert described["held_out_overlap_8gram"] == pytest.approx(1 / 2)  # a..h is private, b..z is not
+    assert describe_synthetic(["x"], private, held_out=None)["held_out_overlap_8gram"] is None
+
+
+def test_held_out_rows_follow_the_private_set_or_come_from_its_end_when_it_is_the_whole_split(tmp_path: Path) -> None:
+    data = tmp_path / "sst2"
+    write_tsv(data, "train.tsv", SST2_HEADER, SST2_ROWS)
+    sources = {"data_dir": str(data)}
+    files = prepare_files(parse_args(["--train-examples", "2", "--lm-val-examples", "5", "--logs", str(tmp_path / "a")]),
+                          sources)
+    assert len(files["private_texts"]) == 2 and len(files["held_out_texts"]) == 1
+    assert len(files["val"].read_text().splitlines()) == 1
+    whole = prepare_files(parse_args(["--full", "--lm-val-examples", "2", "--logs", str(tmp_path / "b")]), sources)
+    assert len(whole["private_texts"]) == 3 and whole["held_out_texts"] is None
+    assert [json.loads(line)["response"] for line in whole["val"].read_text().splitlines()] == whole["private_texts"][-2:]
+
+
+def printed_config(argv: list[str]) -> dict:
+    """What dplit's own parser makes of a benchmark command line (``--print_config``: nothing runs)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        run_lm_cli([*argv[1:], "--print_config"]) if argv[0] == "lm" else run_cli([*argv, "--print_config"])
+    assert exit_.value.code in (0, None), out.getvalue()
+    return yaml.safe_load(out.getvalue())
+
+
+def test_the_pipelines_commands_mean_what_the_study_says_to_dplits_parsers(tmp_path: Path) -> None:
+    args = parse_args(["--smoke", "--logs", str(tmp_path)])
+    sources = {"pretrained": str(tmp_path / "model"), "gguf_file": None, "data_dir": str(tmp_path / "private")}
+    files = {"train": tmp_path / "private.jsonl", "val": tmp_path / "val.jsonl"}
+    lm = printed_config(lm_fit_args(args, sources, files, 3.0, 0, tmp_path / "lm"))
+    assert (lm["data"]["train_file"], lm["data"]["prompt_column"], lm["data"]["response_column"]) == (
+        str(files["train"]), "prompt", "response")
+    assert lm["trainer"]["strategy"]["init_args"]["target_epsilon"] == 3.0
+    assert lm["model"]["pretrained"] == sources["pretrained"] and lm["model"]["sample_prompts"] == []
+    assert any(c.get("init_args", {}).get("save_last") for c in lm["trainer"]["callbacks"])
+    direct = printed_config(classifier_args(args, sources, "dp_tied", 3.0, 0, tmp_path / "dp"))
+    assert direct["data"]["data_dir"] == sources["data_dir"] and direct["data"]["max_train_examples"] == 32
+    assert direct["trainer"]["strategy"]["init_args"]["target_epsilon"] == 3.0
+    synthetic = printed_config(classifier_args(args, sources, "non_private", None, 0, tmp_path / "c",
+                                               synthetic=tmp_path / "synthetic"))
+    assert synthetic["data"]["data_dir"] == str(tmp_path / "synthetic")  # never the private rows
+    assert synthetic["data"]["max_train_examples"] is None and synthetic["non_private"] is True
+    assert synthetic["model"]["lr"] == args.synthetic_lr and synthetic["trainer"]["strategy"] == "auto"

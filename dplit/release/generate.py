@@ -103,6 +103,8 @@ def check_device(device: str | None) -> torch.device:
         raise ValueError(f"--device {device}: not a torch device (cpu, cuda, cuda:1, ...)") from None
     if chosen.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    if chosen.type == "cuda" and chosen.index is not None and chosen.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return chosen
 
 
@@ -111,8 +113,14 @@ def load_generator(model: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
     check_model_source(model)
     path = Path(model).expanduser()
     if path.is_dir():
-        backbone = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        try:
+            backbone = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as error:  # no weights, an unknown model type, no tokenizer files
+            raise ValueError(
+                f"--model {model}: transformers cannot load this folder as a causal LM with its tokenizer "
+                f"({type(error).__name__}); give a folder written by dplit export or save_pretrained"
+            ) from None
         card = path / GUARANTEE_FILE
         guarantee = json.loads(card.read_text()) if card.is_file() else None
     else:
