@@ -42,6 +42,7 @@ import datetime
 import json
 import re
 import shlex
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -341,7 +342,8 @@ def run_pipeline(args: argparse.Namespace, sources: dict[str, Any], files: dict[
     row: dict[str, Any] = {"arm": arm, "epsilon": epsilon, "seed": seed, "name": name}
     started = time.perf_counter()
     lm_folder, export, samples = folder / "lm", folder / "export", folder / "synthetic.jsonl"
-    lm_folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(lm_folder, ignore_errors=True)  # an earlier study's checkpoint is never the one exported
+    lm_folder.mkdir(parents=True)
     model = export if epsilon is not None else Path(sources["pretrained"])
     stages = [("generate", lambda: generate_args(args, model, files["prompts"], samples, seed))]
     if epsilon is not None:
@@ -573,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
     files = prepare_files(args, sources)
     results: dict[str, Any] = {
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.synthetic " + shlex.join(argv),
+        "command": " ".join(["python -m benchmarks.synthetic", *map(shlex.quote, argv)]),
         "machine": machine_info(), "git": git_info(*GIT_PATHS),
         "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
         "settings": {k: getattr(args, k) for k in PROFILES["default"]} | {"profile": args.profile,
