@@ -246,7 +246,7 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``dplit fit|validate|test|export`` and ``dplit lm fit|validate|generate|export``.
+    """Entry point of ``dplit fit|validate|test|audit|export`` and ``dplit lm fit|validate|audit|generate|export``.
 
     A refusal prints ``dplit: error: <message>`` on one line and exits 2; ``--debug`` or ``DPLIT_DEBUG=1`` shows
     the traceback instead.
@@ -266,10 +266,14 @@ def main(args: ArgsType = None) -> None:
 
 
 def _run(argv: list[str]) -> None:
-    """Run the classifier CLI, the ``dplit lm`` one, ``dplit export`` or ``dplit lm generate``."""
+    """Run the classifier CLI, the ``dplit lm`` one, ``dplit audit``, ``dplit export`` or ``dplit lm generate``."""
     with warnings.catch_warnings():  # the command line is passed on as args (without --debug)
         warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-        if argv[:1] == ["export"] or argv[:2] == ["lm", "export"]:
+        if argv[:1] == ["audit"] or argv[:2] == ["lm", "audit"]:
+            from dplit.audit.command import audit_main  # it builds on this module's CLIs
+
+            audit_main(argv[argv.index("audit") + 1 :], lm=argv[0] == "lm")
+        elif argv[:1] == ["export"] or argv[:2] == ["lm", "export"]:
             export_main(argv[argv.index("export") + 1 :])
         elif argv[:2] == ["lm", "generate"]:
             generate_main(argv[2:])

@@ -151,6 +151,11 @@ class DPStrategy(DDPStrategy):
         return self._sample_rate
 
     @property
+    def dataset_size(self) -> int | None:
+        """N, the training examples Poisson sampling draws from (``None`` before training starts)."""
+        return self._dataset_size
+
+    @property
     def expected_batch_size(self) -> float:
         """q·N: the global logical batch size the noisy sum is divided by."""
         assert self._sample_rate is not None and self._dataset_size is not None

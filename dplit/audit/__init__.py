@@ -1,0 +1,1 @@
+"""Empirical privacy auditing in one training run (``dplit audit``)."""

@@ -1,0 +1,117 @@
+"""The audit's canaries: gradient directions (white box) or random-token examples (black box), each in with p = 1/2."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from dplit.privacy.engine import Batch
+
+
+def _membership(count: int, generator: torch.Generator) -> Tensor:
+    """Which of ``count`` canaries take part in the run: each independently with probability 1/2 [count] (bool)."""
+    return torch.rand(count, generator=generator, dtype=torch.float64) < 0.5
+
+
+class GradientCanaries:
+    """White-box canaries: m Dirac directions of norm C in the trainable parameters, one coordinate each.
+
+    An included canary takes part in DP-SGD exactly as one more example whose clipped gradient is that direction:
+    Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor scores a
+    canary by the sum over steps of the released noisy sum at its coordinate.
+
+    Args:
+        coordinates: the flat gradient index of each canary [m] (distinct).
+        included: whether each canary takes part in the run [m] (bool).
+        norm: the norm of each canary's gradient (the clipping bound C).
+    """
+
+    def __init__(self, *, coordinates: Tensor, included: Tensor, norm: float) -> None:
+        self.coordinates = coordinates
+        self.included = included
+        self.norm = norm
+        self.scores = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.sampled_last_step = 0
+
+    @classmethod
+    def place(cls, count: int, *, size: int, norm: float, generator: torch.Generator) -> GradientCanaries:
+        """``count`` canaries on distinct coordinates drawn uniformly among ``size``, membership drawn by ``generator``."""
+        if count > size:
+            raise ValueError(f"audit.canaries={count} exceeds the {size} trainable coordinates of the model")
+        coordinates = torch.randperm(size, generator=generator)[:count]
+        return cls(coordinates=coordinates, included=_membership(count, generator), norm=norm)
+
+    def add_sampled(self, gradient_sum: Tensor, *, sample_rate: float, generator: torch.Generator) -> int:
+        """Add C at the coordinate of every included canary that this step's Poisson draw samples; return how many."""
+        drawn = torch.rand(self.included.shape[0], generator=generator, dtype=torch.float64) < sample_rate  # [m]
+        sampled = self.coordinates[drawn & self.included]
+        gradient_sum[sampled.to(gradient_sum.device)] += self.norm
+        self.sampled_last_step = int(sampled.numel())
+        return self.sampled_last_step
+
+    def observe(self, released: Tensor, *, scale: float) -> None:
+        """Add the released noisy sum (``released`` × ``scale``) at each canary's coordinate to its score."""
+        self.scores += released[self.coordinates.to(released.device)].double().cpu() * scale
+
+
+class _Examples(Dataset[Any]):
+    def __init__(self, examples: Sequence[Any]) -> None:
+        self._examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self._examples)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._examples[index]
+
+
+class InputCanaries:
+    """Black-box canaries: random-token examples added to the training data, scored by minus their final loss.
+
+    Args:
+        examples: one training example per canary, in the datamodule's format.
+        included: whether each canary is added to the training data [m] (bool).
+    """
+
+    def __init__(self, examples: Sequence[Any], included: Tensor) -> None:
+        self._examples = list(examples)
+        self.included = included
+
+    @classmethod
+    def for_classifier(
+        cls, count: int, *, vocab_size: int, num_classes: int, length: int, generator: torch.Generator
+    ) -> InputCanaries:
+        """``count`` random-token prompts of ``length`` tokens, each with a random class."""
+        tokens = torch.randint(0, vocab_size, (count, length), generator=generator)  # [m, length]
+        labels = torch.randint(0, num_classes, (count,), generator=generator)  # [m]
+        examples = [{"input_ids": row.tolist(), "label": int(label)} for row, label in zip(tokens, labels)]
+        return cls(examples, _membership(count, generator))
+
+    @classmethod
+    def for_language_model(
+        cls, count: int, *, vocab_size: int, length: int, generator: torch.Generator
+    ) -> InputCanaries:
+        """``count`` random-token sequences of ``length`` tokens, every token trained."""
+        tokens = torch.randint(0, vocab_size, (count, length), generator=generator)  # [m, length]
+        examples = [{"input_ids": row.tolist(), "loss_mask": [1] * length} for row in tokens]
+        return cls(examples, _membership(count, generator))
+
+    def training_set(self) -> Dataset[Any]:
+        """The included canaries, to be added to the training data."""
+        return _Examples([example for example, keep in zip(self._examples, self.included.tolist()) if keep])
+
+    @torch.no_grad()
+    def scores(
+        self, per_example_loss: Callable[[Batch], Tensor], collate: Callable[[list[Any]], Batch], *,
+        batch_size: int, device: torch.device,
+    ) -> Tensor:  # fmt: skip
+        """Minus each canary's loss under the final model [m] (float64)."""
+        loader = DataLoader(_Examples(self._examples), batch_size=batch_size, collate_fn=collate)
+        losses = []
+        for batch in loader:
+            losses.append(per_example_loss({key: value.to(device) for key, value in batch.items()}).double().cpu())
+        return -torch.cat(losses)

@@ -1,0 +1,234 @@
+"""``dplit audit`` and ``dplit lm audit``: one DP training run with canaries, then ε̂ from their scores."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import ConcatDataset, DataLoader
+
+from dplit.audit.bound import AuditBound, audit_bound
+from dplit.audit.canaries import InputCanaries
+from dplit.audit.strategy import CanaryDPStrategy
+from dplit.cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI, check_gguf_files, check_privacy_choice
+from dplit.data import GlueDataModule
+from dplit.data.text import TextDataModule
+from dplit.lm import CausalLanguageModel
+from dplit.model import CausalLMClassifier
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.strategy import DPStrategy
+
+AUDIT_FILE = "audit.json"
+MODES = ("white_box", "black_box")
+CANARY_LENGTH = 32
+"""Tokens in a black-box canary (fewer when ``data.max_length`` is smaller)."""
+BOUND = "Steinke, Nasr & Jagielski 2023 (arXiv 2305.08846), (ε, δ) theorem, exact binomial tails"
+SELECTION = "best (k₊, k₋) of a grid fixed in advance (0, 1, 2, 5, 10, 20, 50% of m), Bonferroni-adjusted"
+
+
+class AuditSettings:
+    """The ``audit`` section of ``dplit audit``.
+
+    Args:
+        canaries: m, the number of canaries (each in the run with probability 1/2).
+        mode: ``"white_box"`` (gradient canaries, scored on every step's noisy sum) or ``"black_box"``
+            (random-token training examples, scored by minus their loss under the final model).
+        confidence: the confidence of the lower bound ε̂, in (0, 1).
+        seed: seeds the canaries and which are included (the auditor's own randomness); drawn and recorded if
+            unset.
+    """
+
+    def __init__(
+        self, canaries: int = 1000, mode: str = "white_box", confidence: float = 0.95, seed: int | None = None
+    ) -> None:
+        if not isinstance(canaries, int) or canaries < 2:
+            raise ValueError(f"audit.canaries must be an integer ≥ 2, got {canaries!r}")
+        if mode not in MODES:
+            raise ValueError(f"audit.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if not (isinstance(confidence, (int, float)) and 0 < confidence < 1):
+            raise ValueError(f"audit.confidence must be in (0, 1), got {confidence!r}")
+        self.canaries = canaries
+        self.mode = mode
+        self.confidence = float(confidence)
+        self.seed = seed if seed is not None else secrets.randbits(31)
+
+
+class AuditArguments:
+    """The ``audit`` section beside a DP config, checked before anything is built (mixed into a dplit CLI)."""
+
+    config: Any
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Add the ``audit`` section."""
+        super().add_arguments_to_parser(parser)  # type: ignore[misc]
+        parser.add_class_arguments(AuditSettings, "audit", instantiate=False)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Refuse a bad ``audit`` section or a run without DPStrategy; fix the seed; put the canaries in."""
+        super().parse_arguments(parser, args)  # type: ignore[misc]
+        settings = AuditSettings(**vars(self.config["audit"]))
+        self.config["audit"]["seed"] = settings.seed
+        check_gguf_files(self.config)
+        if not check_privacy_choice(self.config):
+            raise ValueError("dplit audit audits DP-SGD: set trainer.strategy to dplit.strategy.DPStrategy")
+        if settings.mode == "white_box":
+            _use_canary_strategy(self.config["trainer"]["strategy"], settings)
+
+
+class ClassifierAuditCLI(AuditArguments, DPLitCLI):
+    """``dplit audit``: the classifier CLI with an ``audit`` section, parsed and built but not run."""
+
+
+class LanguageModelAuditCLI(AuditArguments, DPLitLMCLI):
+    """``dplit lm audit``: the language-model CLI with an ``audit`` section, parsed and built but not run."""
+
+
+def _use_canary_strategy(strategy: Any, settings: AuditSettings) -> None:
+    """Make the config's DPStrategy a :class:`CanaryDPStrategy` (a subclass given in the config is kept)."""
+    module, _, name = str(strategy["class_path"]).rpartition(".")
+    if not issubclass(getattr(importlib.import_module(module), name), CanaryDPStrategy):
+        strategy["class_path"] = f"{CanaryDPStrategy.__module__}.{CanaryDPStrategy.__name__}"
+    strategy["init_args"]["canaries"] = settings.canaries
+    strategy["init_args"]["canary_seed"] = settings.seed
+
+
+def audit_main(argv: list[str], *, lm: bool) -> dict[str, Any]:
+    """Run ``dplit audit`` (``lm``: ``dplit lm audit``) on ``argv``; print the verdict; return the report.
+
+    Exits with status 3 after a loud warning when ε̂ exceeds the claimed ε: evidence of a bug.
+    """
+    kind = (LanguageModelAuditCLI, CausalLanguageModel, TextDataModule) if lm else (
+        ClassifierAuditCLI, CausalLMClassifier, GlueDataModule
+    )  # fmt: skip
+    cli = kind[0](kind[1], kind[2], parser_class=DPLitArgumentParser, args=argv, run=False)
+    settings = AuditSettings(**vars(cli.config["audit"]))
+    report = run_audit(cli.trainer, cli.model, cli.datamodule, settings, lm=lm)
+    rank_zero_info(verdict(report))
+    if report["violation"]:
+        rank_zero_warn(VIOLATION.format(**report), category=PrivacyWarning)
+        raise SystemExit(3)
+    return report
+
+
+VIOLATION = (
+    "PRIVACY AUDIT FAILED: the measured lower bound ε ≥ {epsilon_lower_bound:.3f} exceeds the claimed ε = "
+    "{claimed_epsilon:.3f} at {confidence:.0%} confidence. This is evidence of a bug in the DP mechanism (noise, "
+    "sampling, clipping or accounting): do not trust this configuration's guarantee"
+)
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """The audit's one line: ``empirical ε ≥ X at 95% confidence (claimed ε = Y)``."""
+    claimed = report["claimed_epsilon"]
+    shown = "∞ (no noise)" if claimed is None else f"{claimed:.3f}"
+    return (
+        f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence "
+        f"(claimed ε = {shown}; {report['mode']}, m = {report['canaries']}, {report['steps']} steps)"
+    )
+
+
+def run_audit(
+    trainer: Trainer, model: LightningModule, data: Any, settings: AuditSettings, *, lm: bool
+) -> dict[str, Any]:
+    """Train once with the canaries, compute ε̂, write ``audit.json`` and log ``audit/epsilon_lower_bound``."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, DPStrategy):
+        raise TypeError("dplit audit audits DP-SGD: set trainer.strategy to dplit.strategy.DPStrategy")
+    if settings.mode == "white_box":
+        assert isinstance(strategy, CanaryDPStrategy)
+        trainer.fit(model, datamodule=data)
+        scores, included = strategy.canaries.scores, strategy.canaries.included
+    else:
+        canaries = _input_canaries(data, settings, lm=lm)
+        trainer.fit(model, train_dataloaders=_with_canaries(data, canaries), val_dataloaders=data.val_dataloader())
+        model.eval()
+        scores = canaries.scores(
+            model.per_example_loss, data.collate_fn, batch_size=data.eval_batch_size, device=model.device
+        )
+        included = canaries.included
+    accountant = strategy.accountant
+    assert accountant is not None
+    _warn_powerless(settings, accountant.delta)
+    bound = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
+    report = _report(strategy, settings, bound, included=int(included.sum()))
+    _record(trainer, report)
+    return report
+
+
+def _warn_powerless(settings: AuditSettings, delta: float) -> None:
+    """Warn when δ's term (2·m·δ) alone exceeds 1 − confidence: then no outcome can refute any ε."""
+    term = 2 * settings.canaries * delta
+    if term >= 1 - settings.confidence:
+        rank_zero_warn(
+            f"2·m·δ = {term:.3g} ≥ 1 − confidence = {1 - settings.confidence:.3g}, so the bound is 0 "
+            "whatever the guesses: lower trainer.strategy.init_args.target_delta or audit.canaries"
+        )
+
+
+def _input_canaries(data: Any, settings: AuditSettings, *, lm: bool) -> InputCanaries:
+    generator = torch.Generator().manual_seed(settings.seed)
+    length = min(int(data.max_length), CANARY_LENGTH)
+    if lm:
+        return InputCanaries.for_language_model(
+            settings.canaries, vocab_size=data.vocab_size, length=length, generator=generator
+        )
+    return InputCanaries.for_classifier(
+        settings.canaries, vocab_size=data.vocab_size, num_classes=data.num_classes, length=length,
+        generator=generator,
+    )  # fmt: skip
+
+
+def _with_canaries(data: Any, canaries: InputCanaries) -> DataLoader:
+    """The training rows plus the included canaries, batched as the datamodule batches (DPStrategy Poisson-samples)."""
+    data.prepare_data()
+    data.setup("fit")
+    rows = ConcatDataset([data.dataset("train"), canaries.training_set()])
+    return DataLoader(rows, batch_size=data.batch_size, shuffle=True, collate_fn=data.collate_fn)
+
+
+def _report(strategy: DPStrategy, settings: AuditSettings, bound: AuditBound, *, included: int) -> dict[str, Any]:
+    accountant = strategy.accountant
+    assert accountant is not None
+    claimed = accountant.epsilon()
+    return {
+        "epsilon_lower_bound": bound.epsilon,
+        "claimed_epsilon": claimed if math.isfinite(claimed) else None,
+        "delta": accountant.delta,
+        "confidence": settings.confidence,
+        "violation": bound.epsilon > claimed,
+        "mode": settings.mode,
+        "canaries": settings.canaries,
+        "canaries_included": included,
+        "k_plus": bound.k_plus,
+        "k_minus": bound.k_minus,
+        "correct_guesses": bound.correct,
+        "guess_choices": bound.choices,
+        "selection": SELECTION,
+        "bound": BOUND,
+        "steps": accountant.steps,
+        "noise_multiplier": strategy.noise_multiplier,
+        "max_grad_norm": strategy.max_grad_norm,
+        "sample_rate": strategy.sample_rate,
+        "dataset_size": strategy.dataset_size,
+        "seed": settings.seed,
+    }
+
+
+def _record(trainer: Trainer, report: dict[str, Any]) -> None:
+    """Write ``audit.json`` beside the logs and log ``audit/epsilon_lower_bound`` (rank 0)."""
+    if not trainer.is_global_zero:
+        return
+    folder = Path(trainer.log_dir or trainer.default_root_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / AUDIT_FILE).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    for logger in trainer.loggers:
+        logger.log_metrics({"audit/epsilon_lower_bound": report["epsilon_lower_bound"]}, step=trainer.global_step)
+        logger.finalize("success")

@@ -1,0 +1,265 @@
+"""``dplit audit``: the one-run ε lower bound, its canaries, and that it catches deliberately broken DP mechanisms.
+
+The runs use the quickstart model in the regime where a one-run audit has most power: full batches (q = 1, 64
+synthetic rows, 20 steps), δ = 1e-7, fixed noise and auditor seeds. The broken mechanisms are in
+``tests/audit_mechanisms.py`` and reach the audit through ``--trainer.strategy.class_path``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
+from dplit.audit.canaries import GradientCanaries, InputCanaries
+from dplit.audit.command import AUDIT_FILE, audit_main
+from tests.executable import dplit_executable, user_environment
+from tests.test_bad_inputs import lm_args
+from tests.test_cli import CONFIGS, TINY_LLAMA
+
+ROOT = Path(__file__).parents[1]
+
+
+def full_batch_args(tmp_path: Path, *extra: str) -> list[str]:
+    """The quickstart model on 64 synthetic rows, every row in every one of 20 steps, δ = 1e-7, seeds fixed."""
+    return [
+        "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "0", "--trainer.max_epochs", "20",
+        "--data.synthetic_train_size", "64", "--data.synthetic_val_size", "20", "--data.batch_size", "64",
+        "--trainer.strategy.init_args.target_delta", "1e-7", "--trainer.strategy.init_args.seed", "0",
+        "--audit.seed", "0", *extra,
+    ]  # fmt: skip
+
+
+def epsilon(value: float) -> list[str]:
+    return ["--trainer.strategy.init_args.target_epsilon", str(value)]
+
+
+NO_NOISE = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "0"]
+
+
+def broken(name: str) -> list[str]:
+    return ["--trainer.strategy.class_path", f"tests.audit_mechanisms.{name}"]
+
+
+# the bound
+
+
+def exact_tail(trials: int, probability: Fraction, at_least: int) -> Fraction:
+    return sum(
+        (
+            math.comb(trials, k) * probability**k * (1 - probability) ** (trials - k)
+            for k in range(at_least, trials + 1)
+        ),
+        Fraction(0),
+    )
+
+
+def test_binomial_pmf_matches_the_exact_formula() -> None:
+    pmf = binomial_pmf(12, 0.3)
+    exact = [math.comb(12, k) * 0.3**k * 0.7 ** (12 - k) for k in range(13)]
+    assert torch.allclose(pmf, torch.tensor(exact, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert binomial_pmf(5, 1.0).tolist() == [0, 0, 0, 0, 0, 1]
+
+
+@pytest.mark.parametrize(("guesses", "correct", "eps"), [(10, 8, 0.5), (20, 20, 2.0), (15, 3, 0.0), (30, 25, 1.3)])
+def test_pure_dp_p_value_is_the_binomial_tail(guesses: int, correct: int, eps: float) -> None:
+    accuracy = Fraction(1) / (1 + Fraction(math.exp(-eps)))
+    expected = float(exact_tail(guesses, accuracy, correct))
+    got = p_value(canaries=100, guesses=guesses, correct=correct, epsilon=eps, delta=0.0)
+    assert got == pytest.approx(min(expected, 1.0), rel=1e-10)
+
+
+def test_approximate_dp_p_value_adds_the_papers_delta_term() -> None:
+    m, r, v, eps, delta = 200, 12, 10, 0.7, 1e-4
+    accuracy = Fraction(1) / (1 + Fraction(math.exp(-eps)))
+    pmf = [math.comb(r, k) * accuracy**k * (1 - accuracy) ** (r - k) for k in range(r + 1)]
+    alpha = max(sum(pmf[v - j] for j in range(1, i + 1)) / i for i in range(1, v + 1))  # max_i P[v-i ≤ B < v] / i
+    expected = exact_tail(r, accuracy, v) + alpha * Fraction(delta) * 2 * m
+    assert p_value(canaries=m, guesses=r, correct=v, epsilon=eps, delta=delta) == pytest.approx(
+        float(expected), rel=1e-10
+    )
+
+
+@pytest.mark.parametrize("guesses", [100, 1000])
+def test_all_guesses_correct_gives_the_papers_closed_form(guesses: int) -> None:
+    p = 0.05 ** (1 / guesses)  # 95% confidence: ε̂ = ln(p / (1 − p))
+    bound = epsilon_lower_bound(canaries=guesses, guesses=guesses, correct=guesses, delta=0.0, confidence=0.95)
+    assert bound == pytest.approx(math.log(p / (1 - p)), abs=2e-5)
+    assert bound <= math.log(p / (1 - p))  # never overstated
+
+
+def test_the_bound_grows_with_correct_guesses_and_shrinks_with_delta_and_confidence() -> None:
+    bounds = [
+        epsilon_lower_bound(canaries=1000, guesses=200, correct=v, delta=1e-6, confidence=0.95)
+        for v in (110, 130, 150, 170)
+    ]
+    assert bounds[0] < bounds[1] < bounds[2] < bounds[3]
+    assert epsilon_lower_bound(canaries=1000, guesses=200, correct=100, delta=0.0, confidence=0.95) == 0.0
+    loose = epsilon_lower_bound(canaries=1000, guesses=200, correct=150, delta=1e-4, confidence=0.95)
+    sure = epsilon_lower_bound(canaries=1000, guesses=200, correct=150, delta=1e-6, confidence=0.99)
+    assert loose < bounds[2] and sure < bounds[2]
+
+
+def test_guesses_are_chosen_from_a_grid_fixed_in_advance_with_bonferroni() -> None:
+    assert guess_counts(1000) == [0, 10, 20, 50, 100, 200, 500]
+    included = torch.arange(1000) % 2 == 0
+    separated = audit_bound(included.double(), included, delta=0.0, confidence=0.95)
+    assert separated.choices == 48 and separated.correct == separated.k_plus + separated.k_minus == 1000
+    bonferroni = epsilon_lower_bound(canaries=1000, guesses=1000, correct=1000, delta=0.0, confidence=1 - 0.05 / 48)
+    assert separated.epsilon == pytest.approx(bonferroni)
+    shuffled = audit_bound(
+        torch.randn(1000, generator=torch.Generator().manual_seed(0)), included, delta=0.0, confidence=0.95
+    )
+    assert shuffled.epsilon < 0.3
+
+
+# the canaries
+
+
+def test_gradient_canaries_are_distinct_coordinates_added_with_norm_c_when_sampled() -> None:
+    canaries = GradientCanaries.place(50, size=60, norm=0.5, generator=torch.Generator().manual_seed(1))
+    assert canaries.coordinates.unique().numel() == 50 and 0 < int(canaries.included.sum()) < 50
+    total = torch.zeros(60, dtype=torch.float64)
+    sampled = canaries.add_sampled(total, sample_rate=1.0, generator=torch.Generator().manual_seed(2))
+    assert sampled == int(canaries.included.sum()) and total.sum() == pytest.approx(0.5 * sampled)
+    assert torch.equal(total[canaries.coordinates] > 0, canaries.included)
+    canaries.observe(total, scale=2.0)
+    assert torch.equal(canaries.scores, canaries.included.double())
+    none = canaries.add_sampled(torch.zeros(60), sample_rate=0.0, generator=torch.Generator().manual_seed(3))
+    assert none == 0
+    with pytest.raises(ValueError, match="audit.canaries=61 exceeds the 60 trainable coordinates"):
+        GradientCanaries.place(61, size=60, norm=1.0, generator=torch.Generator())
+
+
+def test_input_canaries_are_random_tokens_and_only_included_ones_are_trained() -> None:
+    canaries = InputCanaries.for_classifier(
+        40, vocab_size=9, num_classes=3, length=5, generator=torch.Generator().manual_seed(0)
+    )
+    trained = canaries.training_set()
+    assert len(trained) == int(canaries.included.sum()) and 0 < len(trained) < 40  # type: ignore[arg-type]
+    assert all(len(row["input_ids"]) == 5 and 0 <= row["label"] < 3 for row in trained)  # type: ignore[attr-defined]
+    lm = InputCanaries.for_language_model(4, vocab_size=9, length=3, generator=torch.Generator().manual_seed(0))
+    assert lm.training_set()[0]["loss_mask"] == [1, 1, 1]
+
+
+# the audit run
+
+
+def read_report(tmp_path: Path) -> dict:
+    [path] = tmp_path.rglob(AUDIT_FILE)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("claimed", [1.0, 4.0])
+def test_correct_dp_is_not_refuted(claimed: float, tmp_path: Path) -> None:
+    report = audit_main(full_batch_args(tmp_path, *epsilon(claimed)), lm=False)
+    assert report == read_report(tmp_path)
+    assert report["claimed_epsilon"] == pytest.approx(claimed, rel=0.01) and report["steps"] == 20
+    assert 0 < report["epsilon_lower_bound"] <= report["claimed_epsilon"] and not report["violation"]
+    assert report["sample_rate"] == 1.0 and report["mode"] == "white_box" and report["canaries"] == 1000
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
+    [logged] = events.Scalars("audit/epsilon_lower_bound")
+    assert logged.value == pytest.approx(report["epsilon_lower_bound"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "extra"), [("no noise", NO_NOISE), ("no clipping", [*broken("NoClipping"), *epsilon(1.0)])]
+)
+def test_noise_or_clipping_off_is_caught(name: str, extra: list[str], tmp_path: Path) -> None:
+    try:
+        report = audit_main(full_batch_args(tmp_path, *extra), lm=False)
+    except SystemExit as stop:  # a violation of the claimed ε
+        assert stop.code == 3
+        report = read_report(tmp_path)
+    assert report["epsilon_lower_bound"] >= 3.0, name
+
+
+@pytest.mark.slow
+def test_a_canary_whose_clipping_is_skipped_is_caught(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        audit_main(full_batch_args(tmp_path, *broken("UnclippedCanaries"), *epsilon(1.0)), lm=False)
+    report = read_report(tmp_path)
+    assert (
+        stop.value.code == 3 and report["violation"] and report["epsilon_lower_bound"] > 2 * report["claimed_epsilon"]
+    )
+
+
+@pytest.mark.slow
+def test_half_the_noise_is_caught_with_a_hundred_thousand_canaries(tmp_path: Path) -> None:
+    honest = audit_main(full_batch_args(tmp_path / "honest", "--audit.canaries", "100000", *epsilon(1.0)), lm=False)
+    with pytest.raises(SystemExit):
+        audit_main(
+            full_batch_args(tmp_path / "half", "--audit.canaries", "100000", *broken("HalfNoise"), *epsilon(1.0)),
+            lm=False,
+        )
+    half = read_report(tmp_path / "half")
+    assert honest["epsilon_lower_bound"] < half["claimed_epsilon"] < half["epsilon_lower_bound"]
+
+
+@pytest.mark.slow
+def test_black_box_canaries_join_the_training_rows(tmp_path: Path) -> None:
+    report = audit_main(full_batch_args(tmp_path, "--audit.mode", "black_box", "--audit.canaries", "100"), lm=False)
+    assert report["mode"] == "black_box" and report["dataset_size"] == 64 + report["canaries_included"]
+    assert 0 < report["canaries_included"] < 100 and report["epsilon_lower_bound"] <= report["claimed_epsilon"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["white_box", "black_box"])
+def test_lm_audit_on_a_tiny_llama(mode: str, tmp_path: Path) -> None:
+    args = lm_args(
+        tmp_path, "--model.config", TINY_LLAMA, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0"
+    )
+    report = audit_main([*args, "--audit.mode", mode, "--audit.canaries", "200", "--audit.seed", "0"], lm=True)
+    rows = 200 + (report["canaries_included"] if mode == "black_box" else 0)
+    assert report["dataset_size"] == rows and report["steps"] == math.ceil(rows / 20) and report["mode"] == mode
+    assert report["claimed_epsilon"] <= 8.0
+    assert report["epsilon_lower_bound"] <= report["claimed_epsilon"]
+
+
+@pytest.mark.slow
+def test_the_executable_prints_the_verdict_and_fails_loudly_on_a_violation(tmp_path: Path) -> None:
+    environment = {**user_environment(), "PYTHONPATH": str(ROOT)}
+    honest = subprocess.run(
+        [dplit_executable(), "audit", *full_batch_args(tmp_path / "honest", *epsilon(1.0))],
+        capture_output=True, text=True, timeout=600, check=False, env=environment,
+    )  # fmt: skip
+    report = read_report(tmp_path / "honest")
+    assert honest.returncode == 0, honest.stderr
+    line = f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at 95% confidence (claimed ε = {report['claimed_epsilon']:.3f};"
+    assert line in honest.stdout + honest.stderr
+    bug = subprocess.run(
+        [dplit_executable(), "audit", *full_batch_args(tmp_path / "bug", *broken("UnclippedCanaries"), *epsilon(1.0))],
+        capture_output=True, text=True, timeout=600, check=False, env=environment,
+    )  # fmt: skip
+    warnings = [line for line in bug.stderr.splitlines() if line.startswith("dplit: WARNING: PRIVACY AUDIT FAILED")]
+    assert bug.returncode == 3 and len(warnings) == 1 and "Traceback" not in bug.stderr
+
+
+def test_a_normal_run_runs_no_audit_code(tmp_path: Path) -> None:
+    script = (
+        "import sys\nfrom dplit.cli import run_cli\nfrom tests.test_cli import quickstart_args, steps\n"
+        f"cli = run_cli(['fit', *quickstart_args(__import__('pathlib').Path({str(tmp_path)!r}), *steps(1))])\n"
+        "assert type(cli.trainer.strategy).__name__ == 'DPStrategy', type(cli.trainer.strategy)\n"
+        "assert not [name for name in sys.modules if name.startswith('dplit.audit')], 'audit code imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+        env=user_environment(),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
