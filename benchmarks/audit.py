@@ -1,8 +1,8 @@
 """How tight is dplit's DP guarantee in practice, and can the audit see a bug? ``dplit audit`` over a grid.
 
 Table 1: claimed ε ∈ {1, 2, 4, 8} and the non-private row (σ = 0) against the one-run lower bound ε̂, white-box
-(gradient canaries) and black-box (random-token canaries), for the quickstart model (as shipped, and on 64 rows
-in full batches, where a one-run audit has most power) and a tiny Llama LM (full batches).
+(gradient canaries) and black-box (random-token canaries), for the quickstart model (Poisson batches at q = 0.05, and 64 rows in
+full batches, where a one-run audit has most power) and a tiny Llama LM (full batches).
 Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/audit_mechanisms.py``):
 noise std halved, division by the realised batch size, a canary's clipping skipped, no clipping at all.
 
@@ -36,8 +36,10 @@ TINY_LLAMA = json.dumps(
 )  # fmt: skip
 FULL_BATCH = ["--trainer.max_epochs", "20", "--trainer.strategy.init_args.target_delta", "1e-7"]
 SETUPS: dict[str, tuple[str, list[str]]] = {
-    "quickstart GPT-2, as shipped (20,000 rows, q = 0.025, 120 steps)": (
-        "audit", ["--config", "configs/quickstart.yaml"],
+    "quickstart GPT-2, Poisson batches (2,000 rows, q = 0.05, 60 steps, δ = 1e-7)": (
+        "audit",
+        ["--config", "configs/quickstart.yaml", "--data.synthetic_train_size", "2000", "--data.batch_size", "100",
+         "--trainer.strategy.init_args.target_delta", "1e-7"],
     ),
     "quickstart GPT-2, full batches (64 rows, q = 1, 20 steps, δ = 1e-7)": (
         "audit", ["--config", "configs/quickstart.yaml", "--data.synthetic_train_size", "64",
@@ -134,7 +136,7 @@ def table(results: dict[str, Any]) -> str:
     """Both tables, as Markdown."""
     rows = results["runs"]
     lines = [
-        f"# dplit audit: ε̂ (95% confidence) against the claimed ε",
+        "# dplit audit: ε̂ (95% confidence) against the claimed ε",
         "",
         machine_line(results) + f". Wall time: {results['wall_s'] / 60:.1f} min.",
         "",

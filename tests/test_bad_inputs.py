@@ -50,6 +50,11 @@ def lm_args(run: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def auditing(*extra: str) -> Setup:
+    """``dplit audit`` on the quickstart config, plus ``extra``."""
+    return lambda scratch, tokenizer, run: ["audit", *quickstart_args(run), *extra]
+
+
 def lora_on(*modules: str) -> str:
     """``--model.peft`` for rank-4 LoRA on ``modules``."""
     targets = ", ".join(f'"{module}"' for module in modules)
@@ -233,6 +238,13 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("peft-prompt-learning", flags("--model.peft", '{"class_path": "peft.PrefixTuningConfig", "init_args": {"num_virtual_tokens": 4}}'), r"^model\.peft: PrefixTuningConfig is a prompt-learning method"),
     ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
+    # the privacy audit: dplit audit and dplit lm audit
+    ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
+    ("audit-confidence-outside-0-1", auditing("--audit.confidence", "1.5"), r"^audit\.confidence must be in \(0, 1\), got 1\.5$"),
+    ("audit-unknown-mode", auditing("--audit.mode", "grey_box"), r"^audit\.mode must be one of white_box, black_box, got 'grey_box'$"),
+    ("lm-audit-confidence-zero", lambda scratch, tokenizer, run: ["lm", "audit", *lm_args(run), "--audit.confidence", "0"], r"^audit\.confidence must be in \(0, 1\), got 0"),
+    ("audit-without-dp", auditing("--trainer.strategy", "auto", "--non_private", "true"), r"^dplit audit audits DP-SGD: set trainer\.strategy to dplit\.strategy\.DPStrategy$"),
+    ("audit-more-canaries-than-coordinates", auditing("--audit.canaries", "10000000"), r"^audit\.canaries=10000000 exceeds the \d+ trainable coordinates of the model$"),
     # releasing a trained model: dplit export and dplit lm generate
     ("export-missing-checkpoint", exporting(None), r"^--ckpt_path /nonexistent/run\.ckpt: no such file$"),
     ("export-not-a-lightning-checkpoint", exporting({"weights": torch.zeros(2)}), r"^--ckpt_path .*run\.ckpt: not a Lightning checkpoint \(no state_dict\)$"),

@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch import Trainer
 from typing_extensions import override
 
 from dplit.audit.canaries import GradientCanaries
+from dplit.privacy.engine import trainable_parameters
 from dplit.strategy import DPStrategy
 
 
@@ -45,11 +47,10 @@ class CanaryDPStrategy(DPStrategy):
         return self.max_grad_norm
 
     @override
-    def on_train_start(self) -> None:
-        """Open the ledger as DPStrategy does, then place the canaries among the trainable coordinates."""
-        super().on_train_start()
-        assert self._buffer is not None
-        size = self._buffer.flat.numel() - self._buffer.extra.numel()
+    def setup(self, trainer: Trainer) -> None:
+        """Set up as DPStrategy does, then place the canaries among the trainable coordinates (refusing too many)."""
+        super().setup(trainer)
+        size = sum(parameter.numel() for parameter in trainable_parameters(self.lightning_module).values())
         generator = torch.Generator().manual_seed(self._canary_seed)
         self._canaries = GradientCanaries.place(
             self._canary_count, size=size, norm=self.canary_norm(), generator=generator
