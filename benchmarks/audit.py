@@ -6,9 +6,9 @@ full batches, where a one-run audit has most power) and a tiny Llama LM (full ba
 Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/audit_mechanisms.py``):
 noise std halved, division by the realised batch size, a canary's clipping skipped, no clipping at all.
 
-Run:  python -m benchmarks.audit            (about 20 minutes on 2 CPU cores)
+Run:  python -m benchmarks.audit            (50 runs, about 11 minutes on 2 CPU cores)
       python -m benchmarks.audit --smoke    (two tiny runs, seconds: checks the pipeline)
-Writes benchmarks/results/audit/{results.json,table.md} and each run's log under its runs/ folder.
+Writes benchmarks/results/audit/{results.json,table.md}; each run's output goes to benchmarks/out/audit/.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from benchmarks.study.arm import install_stop_handlers, run_process
 from benchmarks.study.record import ROOT, git_info, machine_info, machine_line, relative, write_json
 
 OUTPUT = ROOT / "benchmarks" / "results" / "audit"
+LOGS = ROOT / "benchmarks" / "out" / "audit"
+"""Each run's output (git-ignored), beside the committed results."""
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 MODES = ("white_box", "black_box")
 TINY_LLAMA = json.dumps(
@@ -175,8 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     install_stop_handlers()
     args.output.mkdir(parents=True, exist_ok=True)
-    logs = args.output / "runs"
-    logs.mkdir(exist_ok=True)
+    logs = LOGS if args.output == OUTPUT else args.output / "runs"
+    logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": machine_info(), "git": git_info("dplit", "tests/audit_mechanisms.py"),
                                "profile": "smoke" if args.smoke else "default", "runs": [], "wall_s": 0.0}  # fmt: skip
     started = time.monotonic()

@@ -263,3 +263,17 @@ def test_a_normal_run_runs_no_audit_code(tmp_path: Path) -> None:
         env=user_environment(),
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_audit_benchmark_runs_and_tabulates(tmp_path: Path) -> None:
+    from benchmarks import audit as benchmark
+
+    benchmark.main(["--smoke", "--output", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["mode"] for row in results["runs"]] == ["white_box", "black_box"]
+    reports = [row["report"] for row in results["runs"]]
+    assert all(report["canaries"] == 100 and report["sample_rate"] == 1.0 for report in reports)
+    table = (tmp_path / "table.md").read_text()
+    row = f"| {reports[0]['claimed_epsilon']:.2f} | {reports[0]['epsilon_lower_bound']:.2f} | {reports[1]['epsilon_lower_bound']:.2f} |"
+    assert row in table
