@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 import dplit.privacy.ledger as ledger_module
+from dplit.audit.strategy import CanaryDPStrategy
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.model import GPT2Classifier
 from dplit.strategy import DPStrategy
@@ -125,7 +126,9 @@ def run(scenario: dict[str, Any], out: Path, counter: CollectiveCounter) -> None
     rank, name = int(os.environ["RANK"]), scenario["name"]
     model = build_model(scenario.get("policy", "untied"), seed=100 + rank)  # ranks start from different weights
     initial = _state(model)
-    strategy = DPStrategy(
+    audit = {"canaries": scenario["canaries"], "canary_seed": 0} if scenario.get("canaries") else {}
+    strategy = (CanaryDPStrategy if audit else DPStrategy)(
+        **audit,
         accelerator="cpu",
         process_group_backend="gloo",
         timeout=timedelta(seconds=120),  # a rank left waiting on a collective fails instead of hanging
@@ -179,9 +182,15 @@ def run(scenario: dict[str, Any], out: Path, counter: CollectiveCounter) -> None
             "log_dir": trainer.log_dir,
             "wrapped": type(strategy.model).__name__,
             "world_size": trainer.world_size,
+            "canaries": _canaries(strategy) if audit else None,
         },
         out / f"{name}.rank{rank}.pt",
     )
+
+
+def _canaries(strategy: CanaryDPStrategy) -> dict[str, Tensor]:
+    canaries = strategy.canaries
+    return {"coordinates": canaries.coordinates, "included": canaries.included, "scores": canaries.scores}
 
 
 def _state(module: torch.nn.Module) -> dict[str, Tensor]:

@@ -38,6 +38,14 @@ NOISY = ["noisy_untied", "noisy_tied_ghost"]
 SCENARIOS: list[dict[str, Any]] = [
     {"name": "exact_untied", "policy": "untied", "noise_multiplier": 0.0, "max_steps": 3, "max_physical_batch_size": 2},
     {"name": "exact_tied", "policy": "tied", "noise_multiplier": 0.0, "max_steps": 3},
+    {
+        "name": "canaries_untied",
+        "policy": "untied",
+        "noise_multiplier": 0.0,
+        "max_steps": 3,
+        "max_physical_batch_size": 2,
+        "canaries": 40,
+    },
     {"name": "exact_tied_ghost", "policy": "tied", "clipping": "ghost", "noise_multiplier": 0.0, "max_steps": 3},
     {
         "name": "noisy_untied",
@@ -338,3 +346,26 @@ def test_sampler_accepts_any_64_bit_seed() -> None:
     assert 0 <= derive_seed(seed, 1) < 2**63
     batches = list(PoissonBatchSampler(dataset_size=10, sample_rate=0.5, steps=2, num_replicas=2, rank=1, seed=seed))
     assert all(i % 2 == 1 for batch in batches for i in batch)
+
+
+def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    """One step's published gradient in the order of the clipping buffer (trainable parameters, by name)."""
+    return torch.cat([grad.reshape(-1) for grad in grads.values()])
+
+
+def test_audit_canaries_are_added_once_and_scored_alike_on_every_rank(runs: Callable[[str], Ranks]) -> None:
+    canary_ranks, plain = runs("canaries_untied"), runs("exact_untied")
+    canaries = canary_ranks[0]["canaries"]
+    coordinates, included = canaries["coordinates"], canaries["included"]
+    assert all(torch.equal(rank["canaries"]["scores"], canaries["scores"]) for rank in canary_ranks)
+    assert canary_ranks[0]["batches"][0] == plain[0]["batches"][0]  # same seeds, same first Poisson batch
+    generator = torch.Generator().manual_seed(derive_seed(0, "canaries", 0))
+    sampled = (torch.rand(40, generator=generator, dtype=torch.float64) < Q) & included
+    assert 0 < int(sampled.sum()) < int(included.sum())
+    for rank in (0, 1):  # step 1: same weights, same batch; the published gradients differ by the canaries only
+        added = (flat(canary_ranks[rank]["grads"][0]) - flat(plain[rank]["grads"][0])) * BATCH_SIZE  # × q·N
+        expected = torch.zeros_like(added)
+        expected[coordinates[sampled]] = 0.1  # C once, not once per rank
+        assert torch.allclose(added, expected, atol=1e-12, rtol=0)
+    released = sum(flat(grads)[coordinates] for grads in canary_ranks[0]["grads"]) * BATCH_SIZE
+    assert torch.allclose(canaries["scores"], released, atol=1e-12, rtol=0)
