@@ -100,27 +100,32 @@ def _use_canary_strategy(strategy: Any, settings: AuditSettings) -> None:
     strategy["init_args"]["canary_seed"] = settings.seed
 
 
+COMMANDS: dict[bool, tuple[type[DPLitCLI], type[LightningModule], type[Any]]] = {
+    False: (ClassifierAuditCLI, CausalLMClassifier, GlueDataModule),
+    True: (LanguageModelAuditCLI, CausalLanguageModel, TextDataModule),
+}
+"""``dplit audit`` (False) and ``dplit lm audit`` (True): the CLI, model and data classes."""
+
+
 def audit_main(argv: list[str], *, lm: bool) -> dict[str, Any]:
     """Run ``dplit audit`` (``lm``: ``dplit lm audit``) on ``argv``; print the verdict; return the report.
 
     Exits with status 3 after a loud warning when ε̂ exceeds the claimed ε: evidence of a bug.
     """
-    kind = (LanguageModelAuditCLI, CausalLanguageModel, TextDataModule) if lm else (
-        ClassifierAuditCLI, CausalLMClassifier, GlueDataModule
-    )  # fmt: skip
-    cli = kind[0](kind[1], kind[2], parser_class=DPLitArgumentParser, args=argv, run=False)
+    cli_class, module_class, data_class = COMMANDS[lm]
+    cli = cli_class(module_class, data_class, parser_class=DPLitArgumentParser, args=argv, run=False)
     settings = AuditSettings(**vars(cli.config["audit"]))
     report = run_audit(cli.trainer, cli.model, cli.datamodule, settings, lm=lm)
     rank_zero_info(verdict(report))
     if report["violation"]:
-        rank_zero_warn(VIOLATION.format(**report), category=PrivacyWarning)
+        rank_zero_warn(VIOLATION.format(**report, percent=100 * report["confidence"]), category=PrivacyWarning)
         raise SystemExit(3)
     return report
 
 
 VIOLATION = (
     "PRIVACY AUDIT FAILED: the measured lower bound ε ≥ {epsilon_lower_bound:.3f} exceeds the claimed ε = "
-    "{claimed_epsilon:.3f} at {confidence:.0%} confidence. This is evidence of a bug in the DP mechanism (noise, "
+    "{claimed_epsilon:.3f} at {percent:g}% confidence. This is evidence of a bug in the DP mechanism (noise, "
     "sampling, clipping or accounting): do not trust this configuration's guarantee"
 )
 
@@ -130,7 +135,7 @@ def verdict(report: dict[str, Any]) -> str:
     claimed = report["claimed_epsilon"]
     shown = "∞ (no noise)" if claimed is None else f"{claimed:.3f}"
     return (
-        f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at {report['confidence']:.0%} confidence "
+        f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at {100 * report['confidence']:g}% confidence "
         f"(claimed ε = {shown}; {report['mode']}, m = {report['canaries']}, {report['steps']} steps)"
     )
 
