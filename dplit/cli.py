@@ -186,15 +186,21 @@ def check_gguf_files(config: Any) -> None:
 def _is_dp_strategy(strategy: Any) -> bool:
     if isinstance(strategy, DPStrategy):
         return True
+    cls = strategy_class(strategy)
+    return cls is not None and issubclass(cls, DPStrategy)
+
+
+def strategy_class(strategy: Any) -> type | None:
+    """The class a ``trainer.strategy`` config entry (``{class_path: ...}``) names, ``None`` if it names none."""
     class_path = getattr(strategy, "class_path", None) if not isinstance(strategy, dict) else strategy.get("class_path")
     if not class_path:
-        return False
+        return None
     module, _, name = str(class_path).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError):
-        return False
-    return isinstance(cls, type) and issubclass(cls, DPStrategy)
+        return None
+    return cls if isinstance(cls, type) else None
 
 
 def find_last_checkpoint(trainer: Trainer) -> Path:

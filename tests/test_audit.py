@@ -207,6 +207,13 @@ def test_half_the_noise_is_caught_with_a_hundred_thousand_canaries(tmp_path: Pat
     assert honest["epsilon_lower_bound"] < half["claimed_epsilon"] < half["epsilon_lower_bound"]
 
 
+def test_a_delta_too_large_for_any_bound_is_warned_about(tmp_path: Path) -> None:
+    args = full_batch_args(tmp_path, "--trainer.strategy.init_args.target_delta", "null", "--trainer.max_epochs", "1")
+    with pytest.warns(UserWarning, match=r"2·m·δ = .* so the bound will be 0"):  # δ = 64^-1.1, 2·m·δ ≈ 2.1
+        report = audit_main([*args, "--audit.canaries", "100"], lm=False)
+    assert report["epsilon_lower_bound"] == 0.0 and report["delta"] == pytest.approx(64**-1.1)
+
+
 @pytest.mark.slow
 def test_black_box_canaries_join_the_training_rows(tmp_path: Path) -> None:
     report = audit_main(full_batch_args(tmp_path, "--audit.mode", "black_box", "--audit.canaries", "100"), lm=False)

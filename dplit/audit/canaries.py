@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
+from dplit.data.batches import TokenizedDataset
+from dplit.data.text import TextDataset, TextExample
 from dplit.privacy.engine import Batch
 
 
@@ -58,27 +60,16 @@ class GradientCanaries:
         self.scores += released[self.coordinates.to(released.device)].double().cpu() * scale
 
 
-class _Examples(Dataset[Any]):
-    def __init__(self, examples: Sequence[Any]) -> None:
-        self._examples = list(examples)
-
-    def __len__(self) -> int:
-        return len(self._examples)
-
-    def __getitem__(self, index: int) -> Any:
-        return self._examples[index]
-
-
 class InputCanaries:
     """Black-box canaries: random-token examples added to the training data, scored by minus their final loss.
 
     Args:
-        examples: one training example per canary, in the datamodule's format.
+        rows: one training example per canary, as the datamodule's own dataset class holds them.
         included: whether each canary is added to the training data [m] (bool).
     """
 
-    def __init__(self, examples: Sequence[Any], included: Tensor) -> None:
-        self._examples = list(examples)
+    def __init__(self, rows: Dataset[Any], included: Tensor) -> None:
+        self._rows = rows
         self.included = included
 
     @classmethod
@@ -88,8 +79,7 @@ class InputCanaries:
         """``count`` random-token prompts of ``length`` tokens, each with a random class."""
         tokens = torch.randint(0, vocab_size, (count, length), generator=generator)  # [m, length]
         labels = torch.randint(0, num_classes, (count,), generator=generator)  # [m]
-        examples = [{"input_ids": row.tolist(), "label": int(label)} for row, label in zip(tokens, labels)]
-        return cls(examples, _membership(count, generator))
+        return cls(TokenizedDataset(tokens.tolist(), labels.tolist()), _membership(count, generator))
 
     @classmethod
     def for_language_model(
@@ -97,12 +87,12 @@ class InputCanaries:
     ) -> InputCanaries:
         """``count`` random-token sequences of ``length`` tokens, every token trained."""
         tokens = torch.randint(0, vocab_size, (count, length), generator=generator)  # [m, length]
-        examples = [{"input_ids": row.tolist(), "loss_mask": [1] * length} for row in tokens]
-        return cls(examples, _membership(count, generator))
+        examples = [TextExample(input_ids=row, loss_mask=[1] * length) for row in tokens.tolist()]
+        return cls(TextDataset(examples), _membership(count, generator))
 
     def training_set(self) -> Dataset[Any]:
         """The included canaries, to be added to the training data."""
-        return _Examples([example for example, keep in zip(self._examples, self.included.tolist()) if keep])
+        return Subset(self._rows, self.included.nonzero().flatten().tolist())
 
     @torch.no_grad()
     def scores(
@@ -110,7 +100,7 @@ class InputCanaries:
         batch_size: int, device: torch.device,
     ) -> Tensor:  # fmt: skip
         """Minus each canary's loss under the final model [m] (float64)."""
-        loader = DataLoader(_Examples(self._examples), batch_size=batch_size, collate_fn=collate)
+        loader = DataLoader(self._rows, batch_size=batch_size, collate_fn=collate)
         losses = []
         for batch in loader:
             losses.append(per_example_loss({key: value.to(device) for key, value in batch.items()}).double().cpu())

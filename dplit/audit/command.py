@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import secrets
@@ -10,15 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import ConcatDataset, DataLoader
+from typing_extensions import override
 
 from dplit.audit.bound import AuditBound, audit_bound
 from dplit.audit.canaries import InputCanaries
 from dplit.audit.strategy import CanaryDPStrategy
-from dplit.cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI, check_gguf_files, check_privacy_choice
+from dplit.cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI, check_gguf_files, check_privacy_choice, strategy_class
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
@@ -65,6 +65,8 @@ class AuditArguments:
     """The ``audit`` section beside a DP config, checked before anything is built (mixed into a dplit CLI)."""
 
     config: Any
+    audit_settings: AuditSettings
+    """The checked ``audit`` section (its seed drawn once, and written back into the config)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add the ``audit`` section."""
@@ -74,7 +76,7 @@ class AuditArguments:
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         """Refuse a bad ``audit`` section or a run without DPStrategy; fix the seed; put the canaries in."""
         super().parse_arguments(parser, args)  # type: ignore[misc]
-        settings = AuditSettings(**vars(self.config["audit"]))
+        settings = self.audit_settings = AuditSettings(**vars(self.config["audit"]))
         self.config["audit"]["seed"] = settings.seed
         check_gguf_files(self.config)
         if not check_privacy_choice(self.config):
@@ -93,8 +95,8 @@ class LanguageModelAuditCLI(AuditArguments, DPLitLMCLI):
 
 def _use_canary_strategy(strategy: Any, settings: AuditSettings) -> None:
     """Make the config's DPStrategy a :class:`CanaryDPStrategy` (a subclass given in the config is kept)."""
-    module, _, name = str(strategy["class_path"]).rpartition(".")
-    if not issubclass(getattr(importlib.import_module(module), name), CanaryDPStrategy):
+    named = strategy_class(strategy)
+    if named is None or not issubclass(named, CanaryDPStrategy):
         strategy["class_path"] = f"{CanaryDPStrategy.__module__}.{CanaryDPStrategy.__name__}"
     strategy["init_args"]["canaries"] = settings.canaries
     strategy["init_args"]["canary_seed"] = settings.seed
@@ -114,8 +116,8 @@ def audit_main(argv: list[str], *, lm: bool) -> dict[str, Any]:
     """
     cli_class, module_class, data_class = COMMANDS[lm]
     cli = cli_class(module_class, data_class, parser_class=DPLitArgumentParser, args=argv, run=False)
-    settings = AuditSettings(**vars(cli.config["audit"]))
-    report = run_audit(cli.trainer, cli.model, cli.datamodule, settings, lm=lm)
+    assert isinstance(cli, AuditArguments)
+    report = run_audit(cli.trainer, cli.model, cli.datamodule, cli.audit_settings, lm=lm)
     rank_zero_info(verdict(report))
     if report["violation"]:
         rank_zero_warn(VIOLATION.format(**report, percent=100 * report["confidence"]), category=PrivacyWarning)
@@ -147,6 +149,7 @@ def run_audit(
     strategy = trainer.strategy
     if not isinstance(strategy, DPStrategy):
         raise TypeError("dplit audit audits DP-SGD: set trainer.strategy to dplit.strategy.DPStrategy")
+    trainer.callbacks.append(PowerCheck(settings))
     if settings.mode == "white_box":
         assert isinstance(strategy, CanaryDPStrategy)
         trainer.fit(model, datamodule=data)
@@ -161,21 +164,35 @@ def run_audit(
         included = canaries.included
     accountant = strategy.accountant
     assert accountant is not None
-    _warn_powerless(settings, accountant.delta)
     bound = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
     report = _report(strategy, settings, bound, included=int(included.sum()))
     _record(trainer, report)
     return report
 
 
-def _warn_powerless(settings: AuditSettings, delta: float) -> None:
-    """Warn when δ's term (2·m·δ) alone exceeds 1 − confidence: then no outcome can refute any ε."""
-    term = 2 * settings.canaries * delta
-    if term >= 1 - settings.confidence:
-        rank_zero_warn(
-            f"2·m·δ = {term:.3g} ≥ 1 − confidence = {1 - settings.confidence:.3g}, so the bound is 0 "
-            "whatever the guesses: lower trainer.strategy.init_args.target_delta or audit.canaries"
-        )
+class PowerCheck(Callback):
+    """Warns before the first step (δ is known once DPStrategy has started) when 2·m·δ ≥ 1 − confidence.
+
+    Then no outcome could refute any ε. Lightning calls callbacks' ``on_train_start`` before the strategy's, so the
+    check runs at the first epoch's start.
+    """
+
+    def __init__(self, settings: AuditSettings) -> None:
+        self._settings = settings
+        self._checked = False
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        accountant = getattr(trainer.strategy, "accountant", None)
+        if self._checked or accountant is None:
+            return
+        self._checked = True
+        term = 2 * self._settings.canaries * accountant.delta
+        if term >= 1 - self._settings.confidence:
+            rank_zero_warn(
+                f"2·m·δ = {term:.3g} ≥ 1 − confidence = {1 - self._settings.confidence:.3g}, so the bound will be "
+                "0 whatever the guesses: lower trainer.strategy.init_args.target_delta or audit.canaries"
+            )
 
 
 def _input_canaries(data: Any, settings: AuditSettings, *, lm: bool) -> InputCanaries:
