@@ -1,7 +1,7 @@
 """Tied vs untied embeddings under DP-SGD on a real pretrained LM and task: SmolLM2-135M-Instruct on GLUE SST-2.
 
     python -m benchmarks.tying --smoke        # tiny subset, 1 seed, 1 ε, 64 dev rows: a few minutes (a check)
-    python -m benchmarks.tying                # default CPU profile (see PROFILES): under an hour on 2 CPU cores
+    python -m benchmarks.tying                # default CPU profile (see PROFILES): many hours, resumable
     python -m benchmarks.tying --full         # the paper's recipe (all 67,349 rows, B=1000, 3 epochs): for a GPU
     python -m benchmarks.tying --hub          # weights, tokenizer and GLUE from the Hugging Face hub
     python -m benchmarks.tying --arms lora_tied lora_untied lora_frozen   # any subset of ARMS
@@ -10,24 +10,34 @@ Arms (:data:`ARMS`), all with the same hyperparameters (expected batch, epochs, 
 for the DP arms, the same privacy budget; full fine-tuning at ``--lr``, LoRA at ``--lora-lr``:
 
 * ``zero_shot``: the pretrained model, no training, validation only (``dplit validate``).
-* ``non_private``: the same module trained without ``DPStrategy`` (``--trainer.strategy auto --non_private true``).
+* ``non_private``: the same module trained without ``DPStrategy`` (``--trainer.strategy auto --non_private true``), at
+  the learning rate a sweep chose (``--sweep-lrs``, one seed, each candidate trained on the scale's rows and validated
+  on the last ``--holdout-rows`` rows of SST-2 train: held-out training rows, never the dev set); on the first
+  ``--reference-seeds`` seeds.
 * ``dp_tied`` / ``dp_untied``: full fine-tuning with ``DPStrategy`` (ghost clipping, ``target_epsilon`` = ε) from
   ``configs/smollm2_sst2_tied.yaml`` (``TiedEmbeddings``, SmolLM2's own) and ``configs/smollm2_sst2_untied.yaml``
   (``UntiedEmbeddings(init="copy")``).
 * ``lora_tied`` / ``lora_untied`` / ``lora_frozen``: ``configs/smollm2_sst2_lora.yaml`` (rank-8 LoRA on every
   projection) beside the trained tied embedding, beside a trained untied copy, or with the embedding frozen.
 
-Each arm is ``dplit``'s own CLI (the shipped YAML plus overrides) in its own process (:mod:`benchmarks.study.arm`),
-validated once after training on the whole GLUE dev split (872 rows unless ``--eval-examples``). ``results.json``
-(every run, the summary, command, machine, commit), ``table.md`` and ``chart.png`` go to ``--out`` (default
-``benchmarks/results/tying/``); Lightning logs and each arm's output to ``--logs`` (default ``benchmarks/out/tying/``,
-git-ignored). The training subset is the FIRST ``--train-examples`` rows of SST-2's train.tsv.
+The grid is every arm × ε × seed at every data scale (``--train-examples``: the FIRST N rows of SST-2's train.tsv),
+validated once after training on the whole GLUE dev split (872 rows unless ``--eval-examples``). Untied − tied is
+compared per seed (:mod:`benchmarks.study.paired`: mean, paired-t interval, sign test, verdict). Runs go in priority
+order, ``--jobs`` at a time: full fine-tuning at each scale with its non-private reference, then LoRA.
 
-Default CPU profile (see PROFILES): 160 rows, expected batch 8, 1 epoch (20 optimizer steps), max_length 64 (no dev
-prompt is longer than 61 tokens), 2 seeds, ε ∈ {3, 8}, arms zero-shot, DP tied/untied and DP LoRA tied/untied (17
-runs, about 150-200 s each on 2 shared cores; ``--seeds 0 1 2`` and ``--arms`` for more). At
-this scale DP-SGD cannot be expected to move the model far from its starting point (the privacy noise scales with
-1/(N·ε)); ``--full`` is the paper-sized study, for a GPU, with every arm.
+The study resumes: each arm is recorded in ``results.json`` as it ends, with a fingerprint (its dplit command, paths
+left out, and the last commit that changed ``dplit/`` or ``configs/``); a rerun with the same settings skips every arm
+already recorded with the same fingerprint and drops rows recorded under other settings or code. So the grid can span
+several sittings (``--fresh`` starts over). Each arm is ``dplit``'s own CLI in its own process
+(:mod:`benchmarks.study.arm`). ``results.json`` (every run, the summary, sittings, machine, commit), ``table.md`` and
+``chart.png`` go to ``--out`` (default ``benchmarks/results/tying/``); Lightning logs and each arm's output to
+``--logs`` (default ``benchmarks/out/tying/``, git-ignored).
+
+Default CPU profile (see PROFILES): 160 and 1,000 rows, expected batch 8, 1 epoch (20 and 125 optimizer steps),
+max_length 64 (no dev prompt is longer than 61 tokens), 10 seeds, ε ∈ {3, 8}, arms zero-shot, non-private, DP
+tied/untied and DP LoRA tied/untied; 2 arms at a time with 1 torch thread each. At this scale DP-SGD cannot be
+expected to move the model far from its starting point (the privacy noise scales with 1/(N·ε)); ``--full`` is the
+paper-sized study, for a GPU.
 
 Speed measures that change nothing in the maths: each arm runs with 1 torch thread (OMP_NUM_THREADS too); the GGUF
 checkpoint is dequantised once into a float32 folder (``--no-cache`` to load the GGUF in every arm); dev.tsv is
@@ -50,8 +60,9 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
 
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_all  # noqa: E402
+from benchmarks.study.paired import paired_statistics, seeds_for_half_width  # noqa: E402
 from benchmarks.study.record import (  # noqa: E402
-    ROOT, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
+    ROOT, code_version, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
 )
 
 TIED, UNTIED, LORA = (f"configs/smollm2_sst2_{name}.yaml" for name in ("tied", "untied", "lora"))
@@ -81,36 +92,48 @@ ARMS: dict[str, Arm] = {
 }
 PAIRS = (("full fine-tuning", "dp_untied", "dp_tied"), ("LoRA + trained embedding", "lora_untied", "lora_tied"))
 """The untied − tied comparisons the table pairs by seed: (name, untied arm, tied arm)."""
+GROUPS = (("dp_tied", "dp_untied"), ("lora_tied", "lora_untied", "lora_frozen"))
+"""DP arms in priority order: every scale of a group runs before the next group."""
 COLORS = {"zero_shot": "#999999", "non_private": "#4c72b0", "dp_tied": "#dd8452", "dp_untied": "#55a868",
           "lora_tied": "#c44e52", "lora_untied": "#8172b3", "lora_frozen": "#937860"}
 
 GIT_PATHS = ("dplit", "configs", "benchmarks/tying.py", "benchmarks/study")
 """What the study's numbers depend on: uncommitted changes there are recorded."""
+CODE_PATHS = ("dplit", "configs")
+"""The code an arm's numbers come from (its fingerprint's code version; the rest is in its command line)."""
+RESOLUTION = 0.005
+"""The untied − tied difference (accuracy, 0.5 points) the seed count is sized to resolve."""
 
 PROFILES: dict[str, dict[str, Any]] = {
     # 2 shared CPU cores, 1 torch thread, measured per arm: ~10 s start-up, ~1 s to load the dequantised checkpoint,
     # ~72 s to validate the 872 dev rows (sorted by length, batches of 32), ~3.3 s per DP step at B = 8 (~2.8 s
     # non-private; the first DP step adds ~10 s for DPStrategy's ghost-clipping self-check); LoRA arms ~3 s per step.
     "default": {
-        "train_examples": 160, "epochs": 1, "batch_size": 8, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 64,
+        "train_examples": [160, 1000], "epochs": 1, "batch_size": 8, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 64,
         "eval_batch_size": 32, "max_grad_norm": 0.1, "physical_batch_size": 16, "epsilons": [3.0, 8.0],
-        "seeds": [0, 1], "eval_examples": None, "accelerator": "cpu", "precision": "32-true", "timeout": 1200.0,
-        "threads": 1, "arms": ["zero_shot", "dp_tied", "dp_untied", "lora_tied", "lora_untied"],
+        "seeds": list(range(10)), "eval_examples": None, "accelerator": "cpu", "precision": "32-true",
+        "timeout": 3600.0, "threads": 1, "jobs": 2, "sweep_lrs": [1e-5, 3e-5, 1e-4, 3e-4], "holdout_rows": 500,
+        "reference_seeds": 3,
+        "arms": ["zero_shot", "non_private", "dp_tied", "dp_untied", "lora_tied", "lora_untied"],
     },
     "smoke": {
-        "train_examples": 32, "epochs": 1, "batch_size": 8, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 64,
+        "train_examples": [32], "epochs": 1, "batch_size": 8, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 64,
         "eval_batch_size": 32, "max_grad_norm": 0.1, "physical_batch_size": 8, "epsilons": [8.0], "seeds": [0],
         "eval_examples": 64, "accelerator": "cpu", "precision": "32-true", "timeout": 600.0, "threads": 1,
-        "arms": list(ARMS),
+        "jobs": 1, "sweep_lrs": [1e-4, 3e-4], "holdout_rows": 64, "reference_seeds": 1, "arms": list(ARMS),
     },
     # Li et al. 2021's SST-2 recipe (the shipped configs' values): meant for a GPU.
     "full": {
-        "train_examples": None, "epochs": 3, "batch_size": 1000, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 128,
+        "train_examples": [None], "epochs": 3, "batch_size": 1000, "lr": 5e-4, "lora_lr": 2e-3, "max_length": 128,
         "eval_batch_size": 128, "max_grad_norm": 0.1, "physical_batch_size": 64, "epsilons": [3.0, 8.0],
         "seeds": [0, 1, 2], "eval_examples": None, "accelerator": "auto", "precision": "bf16-mixed",
-        "timeout": 6 * 3600.0, "threads": 0, "arms": list(ARMS),
+        "timeout": 6 * 3600.0, "threads": 0, "jobs": 1, "sweep_lrs": [1e-5, 3e-5, 1e-4, 3e-4],
+        "holdout_rows": 1000, "reference_seeds": 3, "arms": list(ARMS),
     },
 }
+NUMERIC_SETTINGS = ("epochs", "batch_size", "lr", "lora_lr", "max_length", "eval_batch_size", "eval_examples",
+                    "max_grad_norm", "physical_batch_size", "accelerator", "precision", "sweep_lrs", "holdout_rows")
+"""The settings every row of one results.json shares (the grid's axes, arms × scales × ε × seeds, may grow)."""
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -126,13 +149,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="the paper's recipe: whole train set, B=1000, 3 epochs, lr 5e-4, C=0.1, max_length 128, "
                               "bf16-mixed on the best accelerator (a GPU)")
     parser.add_argument("--epsilons", nargs="+", type=float, help="target ε of the DP arms (default 3 8)")
-    parser.add_argument("--seeds", nargs="+", type=int, help="seeds (seed_everything; default: the profile's, 0 1 by default, 0 1 2 with --full)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="seeds (seed_everything; default: the profile's, 0-9 by "
+                                                             "default, 0 1 2 with --full)")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="arms to run (default: the profile's)")
-    parser.add_argument("--train-examples", type=int, help="first N rows of SST-2 train (0: all 67,349)")
+    parser.add_argument("--train-examples", nargs="+", type=int,
+                        help="data scales: the first N rows of SST-2 train, one scale per N (0: all 67,349)")
     parser.add_argument("--epochs", type=int)
     parser.add_argument("--batch-size", type=int, help="expected logical batch (Poisson rate q = B/N under DP)")
-    parser.add_argument("--lr", type=float, help="AdamW peak learning rate of full fine-tuning (linear decay to 0)")
+    parser.add_argument("--lr", type=float, help="AdamW peak learning rate of DP full fine-tuning (linear decay to 0)")
     parser.add_argument("--lora-lr", type=float, help="AdamW peak learning rate of the LoRA arms (default 2e-3)")
+    parser.add_argument("--sweep-lrs", nargs="*", type=float,
+                        help="the non-private arm's candidate learning rates (none: it trains at --lr)")
+    parser.add_argument("--holdout-rows", type=int,
+                        help="the sweep validates on the last N rows of SST-2 train (held out; default 500)")
+    parser.add_argument("--reference-seeds", type=int, help="the non-private arm runs on the first N seeds (default 3)")
     parser.add_argument("--max-length", type=int, help="longest prompt in tokens (SST-2 dev: 61 with SmolLM2's tokenizer)")
     parser.add_argument("--eval-batch-size", type=int)
     parser.add_argument("--eval-examples", type=int, help="first N dev rows (default: all 872)")
@@ -144,6 +174,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int,
                         help="torch threads per arm (default 1 on CPU: steadier on a shared 2-core machine, where a "
                              "2-thread process stalls whenever another process holds a core; 0: torch's default)")
+    parser.add_argument("--jobs", type=int, help="arms running at once (default 2 on CPU, 1 with --full)")
+    parser.add_argument("--fresh", action="store_true", help="ignore the arms already in --out's results.json")
     sst2.add_source_arguments(parser)
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default benchmarks/results/tying, .../tying/full with --full, "
@@ -156,43 +188,92 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PROFILES[name].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.train_examples == 0:
-        args.train_examples = None
+    args.train_examples = [n or None for n in dict.fromkeys(args.train_examples)]  # 0: all rows
     args.logs = args.logs or ROOT / "benchmarks" / "out" / "tying" / name  # git-ignored
     default_out = {"default": ROOT / "benchmarks" / "results" / "tying", "full": ROOT / "benchmarks" / "results" / "tying" /
                    "full", "smoke": args.logs / "results"}[name]  # a smoke check's results stay out of git
     args.out = args.out or default_out
-    for key in ("epochs", "batch_size", "max_length", "eval_batch_size", "physical_batch_size"):
+    for key in ("epochs", "batch_size", "max_length", "eval_batch_size", "physical_batch_size", "jobs",
+                "reference_seeds"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be ≥ 1")
-    if args.train_examples is not None and args.batch_size > args.train_examples:
-        parser.error(f"--batch-size {args.batch_size} exceeds --train-examples {args.train_examples}")
+    for rows in args.train_examples:
+        if rows is not None and (rows < 0 or args.batch_size > rows):
+            parser.error(f"--batch-size {args.batch_size} exceeds --train-examples {rows}")
     return args
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# The plan: every run in priority order, the sweep's choice, fingerprints
+
+
+def run_name(run: dict[str, Any]) -> str:
+    """A run's folder name: its scale, arm, ε and seed (or the sweep's learning rate)."""
+    if run["arm"] == "zero_shot":
+        return "zero_shot"
+    scale = f"rows{run['rows'] or 'all'}"
+    if run.get("sweep"):
+        return f"{scale}-sweep-lr{run['lr']:g}"
+    eps = f"-eps{run['epsilon']:g}" if run["epsilon"] is not None else ""
+    return f"{scale}-{run['arm']}{eps}-seed{run['seed']}"
+
+
+def _named(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**run, "name": run_name(run)} for run in runs]
+
+
+def grid_runs(args: argparse.Namespace, arms: tuple[str, ...], rows: int | None) -> list[dict[str, Any]]:
+    """The DP runs of ``arms`` at one scale, seed by seed (so a partial grid holds whole pairs)."""
+    chosen = [arm for arm in arms if arm in args.arms]
+    return _named([{"arm": arm, "epsilon": epsilon, "seed": seed, "rows": rows}
+                   for seed in args.seeds for epsilon in args.epsilons for arm in chosen])
+
+
+def sweep_runs(args: argparse.Namespace, rows: int | None) -> list[dict[str, Any]]:
+    """The non-private learning-rate sweep at one scale: one seed, validated on held-out training rows."""
+    return _named([{"arm": "non_private", "epsilon": None, "seed": args.seeds[0], "rows": rows, "lr": lr,
+                    "sweep": True} for lr in args.sweep_lrs])
+
+
+def reference_runs(args: argparse.Namespace, rows: int | None, lr: float) -> list[dict[str, Any]]:
+    """The non-private arm at one scale, at the sweep's learning rate, on the first ``--reference-seeds`` seeds."""
+    return _named([{"arm": "non_private", "epsilon": None, "seed": seed, "rows": rows, "lr": lr}
+                   for seed in args.seeds[: args.reference_seeds]])
+
+
+def chosen_lr(rows: list[dict[str, Any]], scale: int | None, candidates: list[float]) -> float | None:
+    """The sweep's learning rate at ``scale``: the best held-out accuracy (ties: the smaller rate); ``None`` until
+    every candidate has a result."""
+    done = {r["lr"]: r["val_acc"] for r in rows if r.get("sweep") and r["rows"] == scale and r["status"] == "ok"}
+    if not candidates or any(lr not in done for lr in candidates):
+        return None
+    return max(sorted(candidates), key=lambda lr: done[lr])
+
+
+def fingerprint(argv: list[str], replacements: dict[str, str], code: str) -> str:
+    """What makes two runs the same run: the dplit command (machine-specific paths replaced) and the code version."""
+    return json.dumps({"code": code, "command": [replacements.get(item, item) for item in argv]})
+
+
+def settings_key(args: argparse.Namespace, sources: dict[str, Any], code: str) -> dict[str, Any]:
+    """What every row of one results.json shares: the code version, the model and the non-grid settings."""
+    model = Path(sources["gguf_source"]).name if sources.get("gguf_source") else sources["pretrained"]
+    return {"code": code, "model": model, **{key: getattr(args, key) for key in NUMERIC_SETTINGS}}
+
+
+def recorded_rows(path: Path, key: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """The finished rows of an earlier sitting with the same settings key, and how many rows were dropped."""
+    if not path.is_file():
+        return [], 0
+    earlier = json.loads(path.read_text())
+    rows = earlier.get("runs", [])
+    same = earlier.get("settings_key") == key
+    kept = [r for r in rows if same and r.get("status") == "ok" and r.get("fingerprint")]
+    return kept, len(rows) - len(kept)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # The arms
-
-
-def arm_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (arm, ε, seed) to run, zero-shot first (it does not depend on the seed: run once)."""
-    runs: list[dict[str, Any]] = []
-    if "zero_shot" in args.arms:
-        runs.append({"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0]})
-    for seed in args.seeds:
-        if "non_private" in args.arms:
-            runs.append({"arm": "non_private", "epsilon": None, "seed": seed})
-        for epsilon in args.epsilons:
-            runs += [{"arm": arm, "epsilon": epsilon, "seed": seed} for arm in ARMS if ARMS[arm].private
-                     and arm in args.arms]
-    return [{**run, "name": run_name(run)} for run in runs]
-
-
-def run_name(run: dict[str, Any]) -> str:
-    eps = f"-eps{run['epsilon']:g}" if run["epsilon"] is not None else ""
-    return f"{run['arm']}{eps}-seed{run['seed']}" if run["arm"] != "zero_shot" else "zero_shot"
 
 
 def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str, Any], log_dir: Path) -> list[str]:
@@ -200,6 +281,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     arm = ARMS[run["arm"]]
     command = ["fit" if arm.trains else "validate", "--config", arm.config, *sst2.source_overrides(sources)]
     callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "benchmarks.study.arm.StepTimer"}]
+    lr = run.get("lr") or (args.lora_lr if arm.lora else args.lr)
     command += [
         "--seed_everything", str(run["seed"]),
         "--trainer.accelerator", args.accelerator, "--trainer.devices", "1", "--trainer.precision", args.precision,
@@ -210,13 +292,13 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
         "--trainer.val_check_interval", "1.0", "--trainer.check_val_every_n_epoch", str(10**6),
         "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(log_dir),
         "--trainer.callbacks", json.dumps(callbacks),
-        "--model.lr", repr(args.lora_lr if arm.lora else args.lr),
+        "--model.lr", repr(lr),
         "--data.batch_size", str(args.batch_size), "--data.eval_batch_size", str(args.eval_batch_size),
         "--data.max_length", str(args.max_length), "--data.label_words", json.dumps(sst2.LABEL_WORDS),
         "--data.template", sst2.TEMPLATE, *arm.overrides,
     ]
-    if args.train_examples is not None:
-        command += ["--data.max_train_examples", str(args.train_examples)]
+    if run.get("rows") is not None and arm.trains:
+        command += ["--data.max_train_examples", str(run["rows"])]
     if not arm.private:
         return command + ["--trainer.strategy", "auto", "--non_private", "true"]
     prefix = "--trainer.strategy.init_args."
@@ -226,44 +308,89 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     ]
 
 
+class Study:
+    """The sources, the held-out slice and the code version one sitting runs its arms with."""
+
+    def __init__(self, args: argparse.Namespace, sources: dict[str, Any], holdout: dict[str, Any] | None,
+                 code: str) -> None:
+        self.args, self.sources, self.holdout, self.code = args, sources, holdout, code
+        model = Path(sources["gguf_source"]).name if sources.get("gguf_source") else "<model>"
+        self.replacements = {str(sources["pretrained"]): model, str(sources["data_dir"]): "<sst2>"}
+        if holdout is not None:
+            self.replacements[str(holdout["data_dir"])] = "<sst2 held-out>"
+
+    def command(self, run: dict[str, Any], log_dir: Path) -> list[str]:
+        """The dplit command line of ``run`` (a sweep run trains clear of the held-out rows and validates on them)."""
+        if not run.get("sweep"):
+            return dplit_args(self.args, self.sources, run, log_dir)
+        assert self.holdout is not None
+        rows = sst2.sweep_train_rows(run["rows"], self.holdout, self.args.holdout_rows)
+        return dplit_args(self.args, self.holdout, {**run, "rows": rows}, log_dir)
+
+    def fingerprint(self, run: dict[str, Any]) -> str:
+        """The fingerprint of ``run`` (its log folder and the machine's paths left out)."""
+        folder = self.args.logs / run["name"]
+        return fingerprint(self.command(run, folder), {**self.replacements, str(folder): "<logs>"}, self.code)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Summary
+
+
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per (arm, ε): accuracy mean ± std over seeds, ε spent, memory, step time; untied − tied paired by seed."""
-    ok = [r for r in rows if r.get("status") == "ok"]
-    arms: list[dict[str, Any]] = []
-    keys = []
-    for r in rows:
-        key = (r["arm"], r["epsilon"])
-        if key not in keys:
-            keys.append(key)
-    for arm, epsilon in keys:
-        group = [r for r in ok if r["arm"] == arm and r["epsilon"] == epsilon]
-        failed = [r for r in rows if r["arm"] == arm and r["epsilon"] == epsilon and r.get("status") != "ok"]
+    """Per (scale, arm, ε): accuracy mean ± std over seeds and costs; untied − tied paired by seed; the sweep."""
+    trained = [r for r in rows if not r.get("sweep")]
+    ok = [r for r in trained if r.get("status") == "ok"]
+    keys = list(dict.fromkeys((r.get("rows"), r["arm"], r["epsilon"]) for r in trained))
+    arms = []
+    for scale, arm, epsilon in keys:
+        group = [r for r in ok if (r.get("rows"), r["arm"], r["epsilon"]) == (scale, arm, epsilon)]
+        failed = [r for r in trained if (r.get("rows"), r["arm"], r["epsilon"]) == (scale, arm, epsilon)
+                  and r.get("status") != "ok"]
         arms.append({
-            "arm": arm, "target_epsilon": epsilon, "seeds": [r["seed"] for r in group], "failed": len(failed),
-            "val_acc": mean_std([r["val_acc"] for r in group]),
-            "epsilon_spent": mean_std([r.get("epsilon_spent") for r in group]),
-            "steps": mean_std([r.get("steps") for r in group]),
-            "peak_rss_mb": mean_std([r.get("peak_rss_mb") for r in group]),
-            "train_peak_mb": mean_std([r.get("train_peak_mb") for r in group]),
-            "step_time_s": mean_std([r.get("step_time_s") for r in group]),
-            "noise_multiplier": mean_std([r.get("noise_multiplier") for r in group]),
+            "rows": scale, "arm": arm, "target_epsilon": epsilon, "seeds": [r["seed"] for r in group],
+            "failed": len(failed), "lr": sorted({r["lr"] for r in group if r.get("lr")}) or None,
+            **{key: mean_std([r.get(key) for r in group]) for key in (
+                "val_acc", "epsilon_spent", "steps", "peak_rss_mb", "train_peak_mb", "step_time_s",
+                "noise_multiplier")},
         })
-    return {"arms": arms, "untied_minus_tied": [difference for pair in PAIRS for difference in paired(ok, *pair)]}
+    scales = list(dict.fromkeys(r.get("rows") for r in ok))
+    differences = [d for pair in PAIRS for scale in scales for d in paired(ok, scale, *pair)]
+    return {"arms": arms, "untied_minus_tied": differences, "sweep": sweep_summary(rows)}
 
 
-def paired(ok: list[dict[str, Any]], name: str, untied_arm: str, tied_arm: str) -> list[dict[str, Any]]:
-    """Per ε: untied − tied validation accuracy of the seeds both arms finished."""
+def paired(ok: list[dict[str, Any]], scale: int | None, name: str, untied_arm: str,
+           tied_arm: str) -> list[dict[str, Any]]:
+    """Per ε at one scale: untied − tied validation accuracy over the seeds both arms finished, with its statistics."""
+    here = [r for r in ok if r.get("rows") == scale and r["arm"] in (untied_arm, tied_arm)]
     differences = []
-    for epsilon in sorted({r["epsilon"] for r in ok if r["arm"] in (untied_arm, tied_arm)}):
-        tied = {r["seed"]: r for r in ok if r["arm"] == tied_arm and r["epsilon"] == epsilon}
-        untied = {r["seed"]: r for r in ok if r["arm"] == untied_arm and r["epsilon"] == epsilon}
+    for epsilon in sorted({r["epsilon"] for r in here}):
+        tied = {r["seed"]: r["val_acc"] for r in here if r["arm"] == tied_arm and r["epsilon"] == epsilon}
+        untied = {r["seed"]: r["val_acc"] for r in here if r["arm"] == untied_arm and r["epsilon"] == epsilon}
         seeds = sorted(set(tied) & set(untied))
         if not seeds:
             continue
-        diffs = [untied[s]["val_acc"] - tied[s]["val_acc"] for s in seeds]
-        differences.append({"comparison": name, "target_epsilon": epsilon, "seeds": seeds,
-                            "untied_minus_tied": mean_std(diffs), "per_seed": dict(zip(map(str, seeds), diffs))})
+        values = [untied[s] - tied[s] for s in seeds]
+        statistics = paired_statistics(values)
+        needed = seeds_for_half_width(statistics["std"], RESOLUTION) if statistics["std"] else None
+        differences.append({"comparison": name, "rows": scale, "target_epsilon": epsilon, "seeds": seeds,
+                            "per_seed": dict(zip(map(str, seeds), values)), **statistics,
+                            "seeds_for_half_width": {"half_width": RESOLUTION, "seeds": needed}})
     return differences
+
+
+def sweep_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per scale: each candidate learning rate's held-out accuracy and the one chosen."""
+    sweeps = [r for r in rows if r.get("sweep") and r.get("status") == "ok"]
+    summary = []
+    for scale in dict.fromkeys(r["rows"] for r in sweeps):
+        here = sorted((r for r in sweeps if r["rows"] == scale), key=lambda r: r["lr"])
+        candidates = [r["lr"] for r in here]
+        summary.append({"rows": scale, "held_out_rows": here[0]["val_examples"],
+                        "train_rows": here[0]["train_examples"],
+                        "held_out_acc": {f"{r['lr']:g}": r["val_acc"] for r in here},
+                        "chosen_lr": chosen_lr(here, scale, candidates)})
+    return summary
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -274,53 +401,110 @@ def _arm_label(arm: str, epsilon: float | None) -> str:
     return ARMS[arm].label + (f", ε = {epsilon:g}" if epsilon is not None else "")
 
 
+def _rows_text(rows: int | None) -> str:
+    return "all" if rows is None else f"{rows:,}"
+
+
+def _points(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:+.2f}"
+
+
+def sittings_line(results: dict[str, Any]) -> str:
+    """How long the study took, sitting by sitting, and on what."""
+    parts = []
+    for s in results.get("sittings", []):
+        m = s["machine"]
+        where = f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
+        parts.append(f"{s['started'][:16]}: {s['wall_s'] / 60:.0f} min, {s['arms_run']} arms, {s['jobs']} at a time "
+                     f"with {s['threads'] or 'default'} torch thread(s) each, on {where}")
+    total = sum(s["wall_s"] for s in results.get("sittings", []))
+    arm_hours = sum(r.get("process_wall_s", 0.0) for r in results["runs"]) / 3600
+    return (f"{len(parts)} sitting(s), {total / 3600:.1f} h of wall time, {arm_hours:.1f} arm-hours: "
+            + "; ".join(parts) + ".")
+
+
 def render_table(results: dict[str, Any]) -> str:
-    s, subset = results["settings"], results["training_subset"]
+    s, subsets = results["settings"], results["training_subsets"]
+    scales = ", ".join(f"{sub['rule']} (positive share {sub.get('positive_share', float('nan')):.2f})"
+                       for sub in subsets)
+    dev = subsets[0]
     lines = [
         "# Tied vs untied embeddings under DP-SGD: SmolLM2-135M-Instruct on SST-2",
         "",
-        (f"Profile `{s['profile']}`: {subset['rule']} (positive share {subset.get('positive_share', float('nan')):.2f}), "
-        f"validation on {subset['dev_rule']} ({subset['dev_rows']} rows); expected batch {s['batch_size']}, "
-        f"{s['epochs']} epoch(s), AdamW lr {s['lr']:g} (LoRA arms {s.get('lora_lr', 2e-3):g}) with linear decay, max_length {s['max_length']}, "
-        f"label words {json.dumps(list(sst2.LABEL_WORDS.values()))}, seeds {s['seeds']}; DP: ghost clipping, "
-        f"C = {s['max_grad_norm']:g}, σ calibrated by `target_epsilon` over the planned steps, δ = N^-1.1, PRV "
-        f"accountant; {s['precision']} on {s['accelerator']}, {s['threads'] or 'default'} torch thread(s) per arm. "
-        f"Model: {sst2.model_line(results['sources'])}. Validation order: {subset.get('dev_order')}."),
+        (f"Profile `{s['profile']}`: data scales {scales}; validation on {dev['dev_rule']} ({dev['dev_rows']} rows); "
+         f"expected batch {s['batch_size']}, {s['epochs']} epoch(s), AdamW lr {s['lr']:g} (LoRA arms "
+         f"{s['lora_lr']:g}) with linear decay, max_length {s['max_length']}, label words "
+         f"{json.dumps(list(sst2.LABEL_WORDS.values()))}, seeds {s['seeds']}; DP: ghost clipping, C = "
+         f"{s['max_grad_norm']:g}, σ calibrated by `target_epsilon` over the planned steps, δ = N^-1.1, PRV accountant; "
+         f"non-private reference at the learning rate its sweep chose (below), seeds {s['seeds'][:s['reference_seeds']]}; "
+         f"{s['precision']} on {s['accelerator']}. Model: {sst2.model_line(results['sources'])}. Validation order: "
+         f"{dev.get('dev_order')}."),
         "",
-        machine_line(results) + f". Wall time of the whole study: {results['wall_s'] / 60:.1f} min.",
+        machine_line(results) + ".",
         "",
-        "| arm | ε spent | val acc % (mean ± std) | seeds | steps | σ | step time s | peak RSS MB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "Time: " + sittings_line(results),
+        "",
+        (f"## Untied − tied, paired by seed (dev accuracy, percentage points; {int(100 * 0.95)}% level)"),
+        "",
+        ("| comparison | train rows | target ε | seeds | mean | 95% CI (paired t) | sign test +/−/0, p | "
+         "seeds for ±0.5 | verdict |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+    for d in results["summary"]["untied_minus_tied"]:
+        ci = "–" if d["ci"] is None else f"[{_points(d['ci'][0])}, {_points(d['ci'][1])}]"
+        sign = d["sign_test"]
+        needed = d["seeds_for_half_width"]["seeds"]
+        lines.append(f"| {d['comparison']} | {_rows_text(d['rows'])} | {d['target_epsilon']:g} | {d['n']} | "
+                     f"{_points(d['mean'])} | {ci} | {sign['positive']}/{sign['negative']}/{sign['ties']}, "
+                     f"{sign['p']:.3f} | {needed or '–'} | {d['verdict']} |")
+    lines += [
+        "",
+        ("Verdict: a direction only when the paired-t 95% interval excludes 0 and the exact two-sided sign test "
+         "(ties dropped) has p < 0.05 on the same side; each cell is tested on its own (no correction across cells). "
+         "Seeds for ±0.5: the seeds a paired-t 95% interval needs to have a half-width of 0.5 points at the measured "
+         "paired standard deviation."),
+        "",
+        "Per seed (untied − tied, points):",
+        "",
+    ]
+    for d in results["summary"]["untied_minus_tied"]:
+        per_seed = ", ".join(f"{k}: {v * 100:+.1f}" for k, v in d["per_seed"].items())
+        lines.append(f"* {d['comparison']}, {_rows_text(d['rows'])} rows, ε = {d['target_epsilon']:g}: {per_seed}")
+    lines += ["", "## Every arm", "",
+              "| arm | train rows | ε spent | val acc % (mean ± std) | seeds | steps | σ | step time s | peak RSS MB |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for a in results["summary"]["arms"]:
-        eps = a["epsilon_spent"]
         if a["arm"] == "non_private":
-            eps_text = "∞"
+            eps_text = "∞" + (f" (lr {', '.join(f'{lr:g}' for lr in a['lr'])})" if a.get("lr") else "")
         elif a["arm"] == "zero_shot":
             eps_text = "0 (no training)"
         else:
-            eps_text = plus_minus(eps, digits=2)
+            eps_text = plus_minus(a["epsilon_spent"], digits=2)
         lines.append(
-            f"| {_arm_label(a['arm'], a['target_epsilon'])} | {eps_text} | {plus_minus(a['val_acc'], 100)} | "
-            f"{a['val_acc']['n']}" + (f" (+{a['failed']} failed)" if a["failed"] else "") + " | "
-            f"{plus_minus(a['steps'], digits=0)} | {plus_minus(a['noise_multiplier'], digits=3)} | {plus_minus(a['step_time_s'], digits=2)} | "
-            f"{plus_minus(a['peak_rss_mb'], digits=0)} |"
+            f"| {_arm_label(a['arm'], a['target_epsilon'])} | {_rows_text(a['rows']) if a['arm'] != 'zero_shot' else '0'}"
+            f" | {eps_text} | {plus_minus(a['val_acc'], 100)} | {a['val_acc']['n']}"
+            + (f" (+{a['failed']} failed)" if a["failed"] else "") + " | "
+            f"{plus_minus(a['steps'], digits=0)} | {plus_minus(a['noise_multiplier'], digits=3)} | "
+            f"{plus_minus(a['step_time_s'], digits=2)} | {plus_minus(a['peak_rss_mb'], digits=0)} |"
         )
-    lines += ["", "Untied − tied validation accuracy, paired by seed (percentage points):", "",
-              "| comparison | target ε | untied − tied (mean ± std) | per seed |", "|---|---:|---:|---|"]
-    for d in results["summary"]["untied_minus_tied"]:
-        per_seed = ", ".join(f"seed {k}: {v * 100:+.1f}" for k, v in d["per_seed"].items())
-        lines.append(f"| {d.get('comparison', 'full fine-tuning')} | {d['target_epsilon']:g} | "
-                     f"{plus_minus(d['untied_minus_tied'], 100)} (n = {d['untied_minus_tied']['n']}) | {per_seed} |")
+    lines += ["", "## The non-private reference's learning rate", ""]
+    for sweep in results["summary"]["sweep"]:
+        accs = ", ".join(f"lr {lr}: {acc * 100:.1f}%" for lr, acc in sweep["held_out_acc"].items())
+        chosen = "–" if sweep["chosen_lr"] is None else f"{sweep['chosen_lr']:g}"
+        lines.append(f"* {_rows_text(sweep['rows'])} rows: trained on the first {sweep['train_rows']:,} rows, "
+                     f"seed {s['seeds'][0]}, validated on {sweep['held_out_rows']} held-out TRAINING rows (the last "
+                     f"rows of train.tsv, never dev): {accs}; chosen {chosen}.")
+    if not results["summary"]["sweep"]:
+        lines.append("No sweep ran (the non-private arm trains at --lr).")
     lines += [
         "",
         ("Step time: mean wall time of one optimizer step (batch start to batch end, DP clipping, noise and AdamW "
-        "included), from a timing callback. Peak RSS: the arm's whole process (model loading, training and "
-        "validation), `resource.getrusage`. ε spent: the DPStrategy accountant's `epsilon()` after training. "
-        "std: sample standard deviation over seeds. Each arm ran in its own process; the machine may have been "
-        "shared with other work (see `load_avg_*` in results.json), so times are indicative."),
+         "included), from a timing callback. Peak RSS: the arm's whole process (model loading, training and "
+         "validation), `resource.getrusage`. ε spent: the DPStrategy accountant's `epsilon()` after training. "
+         "std: sample standard deviation over seeds. Arms ran in their own processes, several at a time; times are "
+         "indicative."),
         "",
-        "Every run:",
+        "## Every run",
         "",
         "| run | status | val acc % | ε spent | steps | step time s | train s | val s | process s | CPU s | peak RSS MB |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -337,11 +521,12 @@ def render_table(results: dict[str, Any]) -> str:
         lines.append(f"| {r['name']} | ok | {num('val_acc', 1, 100)} | {num('epsilon_spent', 3)} | {r['steps']} | "
                      f"{num('step_time_s', 2)} | {num('train_wall_s', 0)} | {num('val_wall_s', 0)} | "
                      f"{num('process_wall_s', 0)} | {num('cpu_s', 0)} | {num('peak_rss_mb', 0)} |")
-    lines += ["", f"Command: `{results['command']}`", ""]
+    lines += ["", "Commands: " + "; ".join(f"`{x['command']}`" for x in results.get("sittings", [])), ""]
     return "\n".join(lines)
 
 
 def render_chart(results: dict[str, Any], path: Path) -> bool:
+    """Untied − tied per seed and its 95% interval, per comparison, scale and ε (the study's answer)."""
     try:
         import matplotlib
 
@@ -350,25 +535,24 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
     except ImportError:
         print("matplotlib is not installed: no chart (pip install -e '.[bench]')", flush=True)
         return False
-    arms = [a for a in results["summary"]["arms"] if a["val_acc"]["mean"] is not None]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(arms) + 2), 4.5))
-    for i, a in enumerate(arms):
-        stats = a["val_acc"]
-        ax.bar(i, stats["mean"] * 100, yerr=(stats["std"] or 0) * 100, capsize=4, color=COLORS[a["arm"]],
-               edgecolor="black", linewidth=0.5)
-        ax.scatter([i] * len(stats["values"]), [v * 100 for v in stats["values"]], color="black", s=10, zorder=3)
-        ax.text(i, stats["mean"] * 100 + (stats["std"] or 0) * 100 + 0.8, f"{stats['mean'] * 100:.1f}",
-                ha="center", fontsize=8)
-    ax.set_xticks(range(len(arms)))
-    ax.set_xticklabels([_arm_label(a["arm"], a["target_epsilon"]).replace(", ", "\n") for a in arms], fontsize=8)
-    ax.axhline(50, color="grey", linestyle=":", linewidth=0.8)
-    values = [v * 100 for a in arms for v in a["val_acc"]["values"]]
-    ax.set_ylim(max(0, min(values + [50]) - 10), min(100, max(values) + 8))
-    s = results["settings"]
-    subset = results["training_subset"]
-    ax.set_ylabel(f"SST-2 dev accuracy % ({subset['dev_rows']} rows)")
-    ax.set_title(f"SmolLM2-135M-Instruct, SST-2: {subset['rows'] or 'all'} train rows, B={s['batch_size']}, "
-                 f"{s['epochs']} ep, lr {s['lr']:g}\nmean ± std over seeds {s['seeds']} (dots: seeds)", fontsize=9)
+    cells = results["summary"]["untied_minus_tied"]
+    if not cells:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(cells) + 2), 4.5))
+    for i, d in enumerate(cells):
+        values = [v * 100 for v in d["per_seed"].values()]
+        ax.scatter([i] * len(values), values, color="black", s=10, zorder=3)
+        if d["ci"] is not None:
+            low, high = d["ci"][0] * 100, d["ci"][1] * 100
+            ax.errorbar(i, d["mean"] * 100, yerr=[[d["mean"] * 100 - low], [high - d["mean"] * 100]], fmt="o",
+                        color=COLORS[PAIRS[0][1] if d["comparison"] == PAIRS[0][0] else PAIRS[1][1]], capsize=5)
+    ax.axhline(0, color="grey", linestyle=":", linewidth=0.8)
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([d["comparison"].replace(" + ", "+\n") + f"\n{_rows_text(d['rows'])} rows, "
+                        f"ε={d['target_epsilon']:g}" for d in cells], fontsize=7)
+    ax.set_ylabel("untied − tied, SST-2 dev accuracy points")
+    ax.set_title("SmolLM2-135M-Instruct under DP-SGD: untied − tied per seed (dots), mean and paired-t 95% CI",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -382,40 +566,121 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     render_chart(results, out / "chart.png")
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# The sitting
+
+
+def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, Any], key: dict[str, Any],
+                kept: list[dict[str, Any]], earlier: dict[str, Any] | None) -> dict[str, Any]:
+    """The study's record: earlier sittings' rows (same settings key) and this sitting's settings."""
+    sitting = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+               "command": "python -m benchmarks.tying " + shlex.join(argv), "machine": machine_info(),
+               "git": git_info(*GIT_PATHS), "jobs": args.jobs, "threads": args.threads, "wall_s": 0.0, "arms_run": 0}
+    sittings = (earlier or {}).get("sittings", []) if kept else []
+    return {
+        "created": sittings[0]["started"] if sittings else sitting["started"],
+        "command": sitting["command"], "machine": sitting["machine"], "git": sitting["git"],
+        "settings_key": key,
+        "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
+        "settings": {k: getattr(args, k) for k in (
+            "profile", "arms", "epsilons", "seeds", "train_examples", "epochs", "batch_size", "lr", "lora_lr",
+            "sweep_lrs", "holdout_rows", "reference_seeds", "max_length", "eval_batch_size", "eval_examples",
+            "max_grad_norm", "physical_batch_size", "accelerator", "precision", "timeout", "threads", "jobs",
+            "no_cache", "no_sort_dev")} | {"label_words": sst2.LABEL_WORDS,
+                                           "configs": {name: arm.config for name, arm in ARMS.items()}},
+        "training_subsets": [sst2.subset_description(args, sources, rows) for rows in args.train_examples],
+        "runs": kept,
+        "sittings": [*sittings, sitting],
+        "wall_s": sum(s["wall_s"] for s in sittings),
+        "complete": False,
+    }
+
+
+def run_study(args: argparse.Namespace, study: Study, results: dict[str, Any]) -> bool:
+    """Run every arm not yet recorded, in priority order; whether the whole grid is recorded at the end."""
+    sitting = results["sittings"][-1]
+    wall_before = results["wall_s"]
+
+    def write(done: dict[str, Any]) -> None:
+        sitting["wall_s"] = done["wall_s"] - wall_before
+        write_outputs(done, args.out)
+
+    planned: list[dict[str, Any]] = []
+    queue = _named([{"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0], "rows": None}]) \
+        if "zero_shot" in args.arms else []
+
+    def flush() -> None:
+        done = {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
+        runs = [{**run, "fingerprint": study.fingerprint(run)} for run in queue]
+        planned.extend(runs)
+        todo = [run for run in runs if run["fingerprint"] not in done]
+        if len(todo) < len(runs):
+            print(f"{len(runs) - len(todo)} of {len(runs)} runs already recorded with the same settings and code: "
+                  "skipped", flush=True)
+        sitting["arms_run"] += len(todo)
+        run_all(todo, results, command=study.command, logs=args.logs, threads=args.threads, timeout=args.timeout,
+                write=write, jobs=args.jobs)
+        queue.clear()
+
+    for index, group in enumerate(GROUPS):
+        for rows in args.train_examples:
+            queue.extend(grid_runs(args, group, rows))
+            if index == 0 and "non_private" in args.arms:
+                queue.extend(sweep_runs(args, rows))
+                flush()
+                lr = chosen_lr(results["runs"], rows, args.sweep_lrs) if args.sweep_lrs else args.lr
+                if lr is None:
+                    print(f"the sweep at {_rows_text(rows)} rows is incomplete: no non-private reference", flush=True)
+                    planned.append({"fingerprint": None})
+                else:
+                    queue.extend(reference_runs(args, rows, lr))
+    flush()
+    done = {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
+    return all(run["fingerprint"] in done for run in planned)
+
+
+def dry_run(args: argparse.Namespace, study: Study) -> None:
+    """Print every arm's dplit command (the non-private reference at --lr: the sweep chooses its rate)."""
+    print("# (dry run: without the dequantised checkpoint folder and the sorted dev copy a real run prepares)")
+    runs = _named([{"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0], "rows": None}]) \
+        if "zero_shot" in args.arms else []
+    for index, group in enumerate(GROUPS):
+        for rows in args.train_examples:
+            runs += grid_runs(args, group, rows)
+            if index == 0 and "non_private" in args.arms:
+                runs += sweep_runs(args, rows) + reference_runs(args, rows, args.lr)
+    for run in runs:
+        print(f"# {run['name']}\ndplit {shlex.join(study.command(run, args.logs / run['name']))}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     install_stop_handlers()
     sources = sst2.prepare(args)
-    runs = arm_runs(args)
+    holdout = sst2.prepare_holdout(args, sources) if "non_private" in args.arms and args.sweep_lrs else None
+    code = code_version(*CODE_PATHS)
+    study = Study(args, sources, holdout, code)
     if args.dry_run:
-        print("# (dry run: without the dequantised checkpoint folder and the sorted dev copy a real run prepares)")
-        for run in runs:
-            print(f"# {run['name']}\ndplit {shlex.join(dplit_args(args, sources, run, args.logs / run['name']))}")
+        dry_run(args, study)
         return
-    results: dict[str, Any] = {
-        "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.tying " + shlex.join(argv),
-        "machine": machine_info(),
-        "git": git_info(*GIT_PATHS),
-        "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
-        "settings": {k: getattr(args, k) for k in (
-            "profile", "arms", "epsilons", "seeds", "train_examples", "epochs", "batch_size", "lr", "lora_lr", "max_length",
-            "eval_batch_size", "eval_examples", "max_grad_norm", "physical_batch_size", "accelerator", "precision",
-            "timeout", "threads", "no_cache", "no_sort_dev")} | {"label_words": sst2.LABEL_WORDS,
-                                                    "configs": {name: arm.config for name, arm in ARMS.items()}},
-        "training_subset": sst2.subset_description(args, sources),
-        "runs": [],
-        "wall_s": 0.0,
-        "complete": False,
-    }
-    print(f"{len(runs)} runs; profile {args.profile}; {results['training_subset']['rule']}; out {relative(args.out)}",
-          flush=True)
-    run_all(runs, results, command=lambda run, folder: dplit_args(args, sources, run, folder), logs=args.logs,
-            threads=args.threads, timeout=args.timeout, write=lambda done: write_outputs(done, args.out),
-            git_paths=GIT_PATHS)
+    key = settings_key(args, sources, code)
+    path = args.out / "results.json"
+    earlier = json.loads(path.read_text()) if path.is_file() and not args.fresh else None
+    kept, dropped = recorded_rows(path, key) if earlier else ([], 0)
+    if dropped:
+        print(f"{relative(path)}: {dropped} earlier row(s) dropped (failed, or other settings or code: "
+              f"{'same' if earlier and earlier.get('settings_key') == key else 'different'} settings key)", flush=True)
+    results = new_results(args, argv, sources, key, kept, earlier)
+    print(f"profile {args.profile}; scales {[_rows_text(r) for r in args.train_examples]}; {len(kept)} arms already "
+          f"recorded; {args.jobs} at a time; out {relative(args.out)}", flush=True)
+    results["complete"] = run_study(args, study, results)
+    if git_info(*GIT_PATHS) != results["git"]:
+        results["git"]["changed_during_run"] = git_info(*GIT_PATHS)
+    write_outputs(results, args.out)
     print((args.out / "table.md").read_text())
-    print(f"wrote {relative(args.out / 'results.json')}, table.md, chart.png in {results['wall_s'] / 60:.1f} min",
+    print(f"wrote {relative(args.out / 'results.json')}, table.md, chart.png; this sitting "
+          f"{results['sittings'][-1]['wall_s'] / 60:.1f} min; grid {'complete' if results['complete'] else 'NOT complete'}",
           flush=True)
 
 

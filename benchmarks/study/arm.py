@@ -14,12 +14,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study.record import ROOT, git_info, relative
+from benchmarks.study.record import ROOT, relative
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -168,11 +170,16 @@ def child_environment(threads: int = 0) -> dict[str, str]:
 
 
 _RUNNING: list[subprocess.Popen] = []
-"""The arm process now running (in its own session, so a timeout can kill it with everything it started)."""
+"""The arm processes now running (each in its own session, so a timeout can kill it with everything it started)."""
+
+
+_STOPPING = threading.Event()
+"""Set by a stop signal: no arm starts after it, and the arms it killed are not recorded (a rerun runs them)."""
 
 
 def _stop(signum: int, frame: Any) -> None:
-    """SIGTERM/SIGINT/SIGHUP of the study: kill the running arm too (it lives in its own session), then exit."""
+    """SIGTERM/SIGINT/SIGHUP of the study: kill the running arms too (each in its own session), then exit."""
+    _STOPPING.set()
     for process in _RUNNING[:]:
         try:
             os.killpg(process.pid, signal.SIGKILL)
@@ -262,34 +269,46 @@ def run_all(
     threads: int,
     timeout: float,
     write: Callable[[dict[str, Any]], None],
-    git_paths: tuple[str, ...],
+    jobs: int = 1,
 ) -> None:
-    """Run every arm in turn, appending its row to ``results["runs"]`` and writing the results as each one ends.
+    """Run every arm, ``jobs`` at a time in the given order, appending its row to ``results["runs"]`` and writing the
+    results as each one ends (an interrupted study keeps what it measured).
 
     Args:
         runs: the arms to run, each a dict with its ``name`` (and whatever the study keys it by).
-        results: the study's record; ``runs``, ``wall_s`` and ``complete`` are filled in here.
+        results: the study's record; ``runs`` and ``wall_s`` are filled in here (``wall_s`` accumulates).
         command: an arm's dplit command line, given the arm and its log folder.
         logs: the folder of every arm's log folder.
         threads: torch threads per arm.
         timeout: seconds per arm.
-        write: writes ``results`` (after every arm, so an interrupted study keeps what it measured).
-        git_paths: the paths whose change during the run is recorded.
+        write: writes ``results``.
+        jobs: arms running at once (each in its own process, with ``threads`` threads).
     """
     start = time.perf_counter()
-    for index, run in enumerate(runs, 1):
-        print(f"[{time.perf_counter() - start:6.0f} s] {index}/{len(runs)} {run['name']} ...", end=" ", flush=True)
+    wall_before = results.get("wall_s", 0.0)
+    lock = threading.Lock()
+
+    def one(index: int, run: dict[str, Any]) -> None:
+        if _STOPPING.is_set():
+            return
         folder = logs / run["name"]
         row = {**run, **run_arm(run["name"], command(run, folder), folder, threads=threads, timeout=timeout)}
-        results["runs"].append(row)
-        results["wall_s"] = time.perf_counter() - start
-        write(results)
-        print(_outcome(row), flush=True)
-    results["complete"] = True
-    results["wall_s"] = time.perf_counter() - start
-    if git_info(*git_paths) != results["git"]:
-        results["git"]["changed_during_run"] = git_info(*git_paths)
-    write(results)
+        with lock:
+            if _STOPPING.is_set():
+                return
+            results["runs"].append(row)
+            results["wall_s"] = wall_before + time.perf_counter() - start
+            write(results)
+            print(f"[{time.perf_counter() - start:6.0f} s] {index}/{len(runs)} {run['name']}: {_outcome(row)}",
+                  flush=True)
+
+    pool = ThreadPoolExecutor(max_workers=max(1, jobs))
+    try:
+        for future in [pool.submit(one, index, run) for index, run in enumerate(runs, 1)]:
+            future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    results["wall_s"] = wall_before + time.perf_counter() - start
 
 
 def _outcome(row: dict[str, Any]) -> str:

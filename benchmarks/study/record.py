@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -69,6 +70,26 @@ def git_info(*paths: str) -> dict[str, Any]:
     head = git("rev-parse", "HEAD")
     dirty = git("status", "--porcelain", "--", *paths)
     return {"commit": head, "uncommitted_changes": dirty.splitlines() if dirty else []}
+
+
+def code_version(*paths: str) -> str:
+    """The last commit that changed ``paths``, plus a digest of their uncommitted changes when there are any.
+
+    Two runs with the same code version ran the same code there, whatever else was committed in between.
+    """
+
+    def git(*command: str) -> str:
+        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, check=False).stdout
+
+    commit = git("log", "-1", "--format=%H", "--", *paths).strip()
+    dirty = git("status", "--porcelain", "--untracked-files=all", "--", *paths)
+    if not dirty:
+        return commit
+    untracked = [line[3:] for line in dirty.splitlines() if line.startswith("??")]
+    digest = hashlib.sha256(git("diff", "HEAD", "--", *paths).encode())
+    for name in sorted(untracked):
+        digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
+    return f"{commit}+uncommitted:{digest.hexdigest()[:12]}"
 
 
 def mean_std(values: list[float | None]) -> dict[str, Any]:

@@ -235,12 +235,48 @@ def prepare_dev(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str, 
             "dev_order": f"the {len(rows)} dev rows sorted by sentence length (a copy, {relative(target)})"}
 
 
-def subset_description(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str, Any]:
-    """Which training rows are used, with their label balance when the TSV is local."""
+def prepare_holdout(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str, Any]:
+    """Sources whose dev split is the LAST ``args.holdout_rows`` rows of SST-2 train (sorted by length), for sweeps.
+
+    A learning-rate sweep validates on these training rows, never on the dev set. They lie after every row a study
+    arm trains on (``--train-examples`` takes the first rows), and :func:`sweep_train_rows` keeps a sweep's training
+    rows clear of them.
+    """
+    original = Path(sources.get("original_data_dir") or sources["data_dir"] or "")
+    if sources["data_dir"] is None or not (original / "train.tsv").is_file():
+        raise SystemExit("the non-private learning-rate sweep needs SST-2 train.tsv as a local file (its held-out "
+                         "slice is written beside it): give --data-dir or --data-root, or leave out the non_private arm")
+    lines = (original / "train.tsv").read_text(encoding="utf-8-sig").splitlines(keepends=True)
+    header, rows = lines[0], [line for line in lines[1:] if line.strip()]
+    if args.holdout_rows < 1 or args.holdout_rows >= len(rows):
+        raise SystemExit(f"--holdout-rows {args.holdout_rows} must be between 1 and {len(rows) - 1} "
+                         f"({original / 'train.tsv'} has {len(rows)} rows)")
+    held_out = sorted(rows[-args.holdout_rows:], key=lambda line: len(line.split("\t")[0]))
+    folder = args.logs / "data" / "sst2-holdout"
+    folder.mkdir(parents=True, exist_ok=True)
+    temporary = folder / "dev.tsv.tmp"
+    temporary.write_text(header + "".join(line if line.endswith("\n") else line + "\n" for line in held_out),
+                         encoding="utf-8")
+    os.replace(temporary, folder / "dev.tsv")
+    link = folder / "train.tsv"
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to((original / "train.tsv").resolve())
+    return {**sources, "data_dir": str(folder.resolve()), "max_eval_examples": None, "train_rows_total": len(rows),
+            "dev_order": f"the last {args.holdout_rows} rows of SST-2 train.tsv (held out), sorted by length"}
+
+
+def sweep_train_rows(rows: int | None, holdout: dict[str, Any], holdout_rows: int) -> int:
+    """A sweep's training rows: the study scale's first ``rows``, stopping before the held-out slice."""
+    clear = holdout["train_rows_total"] - holdout_rows
+    return clear if rows is None else min(rows, clear)
+
+
+def subset_description(args: argparse.Namespace, sources: dict[str, Any], rows: int | None) -> dict[str, Any]:
+    """Which training rows a scale uses (the first ``rows``; ``None``: all), with their label balance when local."""
     info: dict[str, Any] = {
-        "rule": f"the first {args.train_examples} rows of SST-2 train" if args.train_examples
-        else "the whole SST-2 train split (67,349 rows)",
-        "rows": args.train_examples,
+        "rule": f"the first {rows} rows of SST-2 train" if rows else "the whole SST-2 train split (67,349 rows)",
+        "rows": rows,
         "dev_rows": args.eval_examples or DEV_ROWS,
         "dev_rule": "the whole SST-2 dev split" if not args.eval_examples else f"the first {args.eval_examples} dev rows",
     }
@@ -250,7 +286,7 @@ def subset_description(args: argparse.Namespace, sources: dict[str, Any]) -> dic
         info["source"] = str(path)
         with path.open(encoding="utf-8-sig") as file:
             next(file)
-            labels = [line.rstrip("\n").split("\t")[-1] for line, _ in zip(file, range(args.train_examples or 10**9))]
+            labels = [line.rstrip("\n").split("\t")[-1] for line, _ in zip(file, range(rows or 10**9))]
         info["rows"] = len(labels)
         info["positive_share"] = sum(label == "1" for label in labels) / max(1, len(labels))
     else:
