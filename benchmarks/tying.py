@@ -415,7 +415,7 @@ def sittings_line(results: dict[str, Any]) -> str:
     for s in results.get("sittings", []):
         m = s["machine"]
         where = f"{m['cpu_model']}, {m['logical_cpus']} logical CPUs" + (f", GPU {m['gpu']}" if m.get("gpu") else "")
-        parts.append(f"{s['started'][:16]}: {s['wall_s'] / 60:.0f} min, {s['arms_run']} arms, {s['jobs']} at a time "
+        parts.append(f"{s['started'][:16]}: {s['wall_s'] / 60:.0f} min, {s['arms_run']} arm(s), {s['jobs']} at a time "
                      f"with {s['threads'] or 'default'} torch thread(s) each, on {where}")
     total = sum(s["wall_s"] for s in results.get("sittings", []))
     arm_hours = sum(r.get("process_wall_s", 0.0) for r in results["runs"]) / 3600
@@ -603,6 +603,7 @@ def run_study(args: argparse.Namespace, study: Study, results: dict[str, Any]) -
 
     def write(done: dict[str, Any]) -> None:
         sitting["wall_s"] = done["wall_s"] - wall_before
+        sitting["arms_run"] = sum(r.get("sitting") == sitting["started"] for r in done["runs"])
         write_outputs(done, args.out)
 
     planned: list[dict[str, Any]] = []
@@ -611,13 +612,12 @@ def run_study(args: argparse.Namespace, study: Study, results: dict[str, Any]) -
 
     def flush() -> None:
         done = {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
-        runs = [{**run, "fingerprint": study.fingerprint(run)} for run in queue]
+        runs = [{**run, "fingerprint": study.fingerprint(run), "sitting": sitting["started"]} for run in queue]
         planned.extend(runs)
         todo = [run for run in runs if run["fingerprint"] not in done]
         if len(todo) < len(runs):
             print(f"{len(runs) - len(todo)} of {len(runs)} runs already recorded with the same settings and code: "
                   "skipped", flush=True)
-        sitting["arms_run"] += len(todo)
         run_all(todo, results, command=study.command, logs=args.logs, threads=args.threads, timeout=args.timeout,
                 write=write, jobs=args.jobs)
         queue.clear()
