@@ -51,6 +51,7 @@ import datetime
 import json
 import shlex
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -596,6 +597,28 @@ def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, An
     }
 
 
+def plan(args: argparse.Namespace, reference_lr: Callable[[int | None], float | None]) -> Iterator[list[dict[str, Any]]]:
+    """Every run in priority order, in chunks: a chunk ends where the next needs its results (a sweep's choice).
+
+    Zero-shot, then per group of :data:`GROUPS` and per scale its DP grid; after full fine-tuning at a scale, its
+    learning-rate sweep, then (in the next chunk) the non-private reference at ``reference_lr(scale)``, left out
+    while that is ``None``.
+    """
+    chunk = _named([{"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0], "rows": None}]) \
+        if "zero_shot" in args.arms else []
+    for index, group in enumerate(GROUPS):
+        for rows in args.train_examples:
+            chunk += grid_runs(args, group, rows)
+            if index == 0 and "non_private" in args.arms:
+                chunk += sweep_runs(args, rows)
+                yield chunk
+                lr = reference_lr(rows)
+                if lr is None:
+                    print(f"the sweep at {_rows_text(rows)} rows is incomplete: no non-private reference", flush=True)
+                chunk = reference_runs(args, rows, lr) if lr is not None else []
+    yield chunk
+
+
 def run_study(args: argparse.Namespace, study: Study, results: dict[str, Any]) -> bool:
     """Run every arm not yet recorded, in priority order; whether the whole grid is recorded at the end."""
     sitting = results["sittings"][-1]
@@ -606,51 +629,32 @@ def run_study(args: argparse.Namespace, study: Study, results: dict[str, Any]) -
         sitting["arms_run"] = sum(r.get("sitting") == sitting["started"] for r in done["runs"])
         write_outputs(done, args.out)
 
-    planned: list[dict[str, Any]] = []
-    queue = _named([{"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0], "rows": None}]) \
-        if "zero_shot" in args.arms else []
+    def reference_lr(rows: int | None) -> float | None:
+        return chosen_lr(results["runs"], rows, args.sweep_lrs) if args.sweep_lrs else args.lr
 
-    def flush() -> None:
-        done = {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
-        runs = [{**run, "fingerprint": study.fingerprint(run), "sitting": sitting["started"]} for run in queue]
-        planned.extend(runs)
-        todo = [run for run in runs if run["fingerprint"] not in done]
+    def recorded() -> set[str]:
+        return {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
+
+    planned: list[str] = []
+    for chunk in plan(args, reference_lr):
+        runs = [{**run, "fingerprint": study.fingerprint(run), "sitting": sitting["started"]} for run in chunk]
+        planned += [run["fingerprint"] for run in runs]
+        todo = [run for run in runs if run["fingerprint"] not in recorded()]
         if len(todo) < len(runs):
             print(f"{len(runs) - len(todo)} of {len(runs)} runs already recorded with the same settings and code: "
                   "skipped", flush=True)
         run_all(todo, results, command=study.command, logs=args.logs, threads=args.threads, timeout=args.timeout,
                 write=write, jobs=args.jobs)
-        queue.clear()
-
-    for index, group in enumerate(GROUPS):
-        for rows in args.train_examples:
-            queue.extend(grid_runs(args, group, rows))
-            if index == 0 and "non_private" in args.arms:
-                queue.extend(sweep_runs(args, rows))
-                flush()
-                lr = chosen_lr(results["runs"], rows, args.sweep_lrs) if args.sweep_lrs else args.lr
-                if lr is None:
-                    print(f"the sweep at {_rows_text(rows)} rows is incomplete: no non-private reference", flush=True)
-                    planned.append({"fingerprint": None})
-                else:
-                    queue.extend(reference_runs(args, rows, lr))
-    flush()
-    done = {r["fingerprint"] for r in results["runs"] if r.get("status") == "ok"}
-    return all(run["fingerprint"] in done for run in planned)
+    references = "non_private" not in args.arms or all(reference_lr(rows) is not None for rows in args.train_examples)
+    return references and set(planned) <= recorded()
 
 
 def dry_run(args: argparse.Namespace, study: Study) -> None:
     """Print every arm's dplit command (the non-private reference at --lr: the sweep chooses its rate)."""
     print("# (dry run: without the dequantised checkpoint folder and the sorted dev copy a real run prepares)")
-    runs = _named([{"arm": "zero_shot", "epsilon": None, "seed": args.seeds[0], "rows": None}]) \
-        if "zero_shot" in args.arms else []
-    for index, group in enumerate(GROUPS):
-        for rows in args.train_examples:
-            runs += grid_runs(args, group, rows)
-            if index == 0 and "non_private" in args.arms:
-                runs += sweep_runs(args, rows) + reference_runs(args, rows, args.lr)
-    for run in runs:
-        print(f"# {run['name']}\ndplit {shlex.join(study.command(run, args.logs / run['name']))}")
+    for chunk in plan(args, lambda rows: args.lr):
+        for run in chunk:
+            print(f"# {run['name']}\ndplit {shlex.join(study.command(run, args.logs / run['name']))}")
 
 
 def main(argv: list[str] | None = None) -> None:
