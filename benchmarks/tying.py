@@ -102,6 +102,14 @@ GIT_PATHS = ("dplit", "configs", "benchmarks/tying.py", "benchmarks/study")
 """What the study's numbers depend on: uncommitted changes there are recorded."""
 CODE_PATHS = ("dplit", "configs")
 """The code an arm's numbers come from (its fingerprint's code version; the rest is in its command line)."""
+NOISE_TEXT = {
+    "common": ("common random numbers: both arms of a seed s run DPStrategy(seed=s), so they draw the same Poisson "
+               "batches and the same noise on every parameter they share (an untied head's noise comes after), "
+               "which sharpens the paired difference; that noise is predictable, so these models are utility "
+               "measurements, not private releases"),
+    "independent": "noise and Poisson batches from OS entropy in every arm (a seed pairs nothing but the start)",
+}
+"""How the DP arms draw their batches and noise (``--noise``), as the table says it."""
 RESOLUTION = 0.005
 """The untied − tied difference (accuracy, 0.5 points) the seed count is sized to resolve."""
 
@@ -133,7 +141,8 @@ PROFILES: dict[str, dict[str, Any]] = {
     },
 }
 NUMERIC_SETTINGS = ("epochs", "batch_size", "lr", "lora_lr", "max_length", "eval_batch_size", "eval_examples",
-                    "max_grad_norm", "physical_batch_size", "accelerator", "precision", "sweep_lrs", "holdout_rows")
+                    "max_grad_norm", "physical_batch_size", "accelerator", "precision", "sweep_lrs", "holdout_rows",
+                    "noise")
 """The settings every row of one results.json shares (the grid's axes, arms × scales × ε × seeds, may grow)."""
 
 
@@ -164,6 +173,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--holdout-rows", type=int,
                         help="the sweep validates on the last N rows of SST-2 train (held out; default 500)")
     parser.add_argument("--reference-seeds", type=int, help="the non-private arm runs on the first N seeds (default 3)")
+    parser.add_argument("--noise", choices=("common", "independent"), default="common",
+                        help="common (default): every DP arm of seed s runs with DPStrategy(seed=s), so the arms of a "
+                             "pair draw the same Poisson batches and the same noise on the parameters they share "
+                             "(common random numbers: a sharper paired difference; predictable noise, so the trained "
+                             "models are measurements, not private releases); independent: OS-entropy noise per arm")
     parser.add_argument("--max-length", type=int, help="longest prompt in tokens (SST-2 dev: 61 with SmolLM2's tokenizer)")
     parser.add_argument("--eval-batch-size", type=int)
     parser.add_argument("--eval-examples", type=int, help="first N dev rows (default: all 872)")
@@ -306,6 +320,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     return command + [
         prefix + "target_epsilon", repr(float(run["epsilon"])), prefix + "max_grad_norm", repr(args.max_grad_norm),
         prefix + "clipping", "ghost", prefix + "max_physical_batch_size", str(args.physical_batch_size),
+        *((prefix + "seed", str(run["seed"])) if args.noise == "common" else ()),
     ]
 
 
@@ -436,7 +451,8 @@ def render_table(results: dict[str, Any]) -> str:
          f"expected batch {s['batch_size']}, {s['epochs']} epoch(s), AdamW lr {s['lr']:g} (LoRA arms "
          f"{s['lora_lr']:g}) with linear decay, max_length {s['max_length']}, label words "
          f"{json.dumps(list(sst2.LABEL_WORDS.values()))}, seeds {s['seeds']}; DP: ghost clipping, C = "
-         f"{s['max_grad_norm']:g}, σ calibrated by `target_epsilon` over the planned steps, δ = N^-1.1, PRV accountant; "
+         f"{s['max_grad_norm']:g}, σ calibrated by `target_epsilon` over the planned steps, δ = N^-1.1, PRV accountant, "
+         f"{NOISE_TEXT[s.get('noise', 'independent')]}; "
          f"non-private reference at the learning rate its sweep chose (below), seeds {s['seeds'][:s['reference_seeds']]}; "
          f"{s['precision']} on {s['accelerator']}. Model: {sst2.model_line(results['sources'])}. Validation order: "
          f"{dev.get('dev_order')}."),
@@ -585,7 +601,7 @@ def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, An
         "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
         "settings": {k: getattr(args, k) for k in (
             "profile", "arms", "epsilons", "seeds", "train_examples", "epochs", "batch_size", "lr", "lora_lr",
-            "sweep_lrs", "holdout_rows", "reference_seeds", "max_length", "eval_batch_size", "eval_examples",
+            "sweep_lrs", "holdout_rows", "reference_seeds", "noise", "max_length", "eval_batch_size", "eval_examples",
             "max_grad_norm", "physical_batch_size", "accelerator", "precision", "timeout", "threads", "jobs",
             "no_cache", "no_sort_dev")} | {"label_words": sst2.LABEL_WORDS,
                                            "configs": {name: arm.config for name, arm in ARMS.items()}},

@@ -18,6 +18,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from benchmarks.study import sst2
 from benchmarks.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
 from benchmarks.tying import Study, chosen_lr, grid_runs, parse_args, recorded_rows, settings_key
+from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
+from dplit.model import CausalLMClassifier
+from dplit.privacy.engine import trainable_parameters
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +82,43 @@ def test_the_grid_runs_whole_pairs_seed_by_seed() -> None:
         "rows160-dp_untied-eps8-seed0",
     ]
     assert len(names) == 8 and names[-1] == "rows160-dp_untied-eps8-seed1"
+
+
+def test_common_noise_gives_both_arms_of_a_seed_the_same_dp_seed_and_independent_noise_none(tmp_path: Path) -> None:
+    sources = {"pretrained": "m", "gguf_file": None, "data_dir": None, "kind": "hub"}
+
+    def dp_seeds(*flags: str) -> dict[str, str | None]:
+        args = parse_args(["--seeds", "4", "--epsilons", "3", "--logs", str(tmp_path), *flags])
+        study = Study(args, sources, None, "abc")
+        seeds = {}
+        for run in grid_runs(args, ("dp_tied", "dp_untied"), 160):
+            command = study.command(run, tmp_path / run["name"])
+            flag = "--trainer.strategy.init_args.seed"
+            seeds[run["arm"]] = command[command.index(flag) + 1] if flag in command else None
+        return seeds
+
+    assert dp_seeds() == {"dp_tied": "4", "dp_untied": "4"}
+    assert dp_seeds("--noise", "independent") == {"dp_tied": None, "dp_untied": None}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "llama"])
+def test_an_untied_model_draws_its_extra_noise_after_every_parameter_it_shares_with_the_tied_one(
+    model_type: str,
+) -> None:
+    # DPStrategy's GradientBuffer draws noise parameter by parameter in trainable_parameters' order: with one DP seed,
+    # the tied and untied arms then get the same noise on every shared parameter only if the untied head comes last
+    config = {"model_type": model_type, "vocab_size": 50, "tie_word_embeddings": True}
+    config |= (
+        {"n_layer": 1, "n_embd": 16, "n_head": 2}
+        if model_type == "gpt2"
+        else {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    )
+    names = {}
+    for policy in (TiedEmbeddings(), UntiedEmbeddings(init="copy")):
+        model = CausalLMClassifier(config=config, embeddings=policy, label_word_ids=[3, 7], vocab_size=50)
+        names[type(policy).__name__] = list(trainable_parameters(model))
+    tied, untied = names["TiedEmbeddings"], names["UntiedEmbeddings"]
+    assert len(untied) == len(tied) + 1 and untied[: len(tied)] == tied and "lm_head" in untied[-1]
 
 
 def test_the_sweep_chooses_the_best_held_out_rate_only_once_every_candidate_finished() -> None:
@@ -196,6 +236,7 @@ def test_the_study_resumes_from_its_results_and_pairs_by_seed(tmp_path: Path, ti
     assert sweep["held_out_rows"] == 16 and sweep["train_rows"] == 16
     assert names["rows16-non_private-seed0"]["lr"] == sweep["chosen_lr"]
     assert names["rows16-dp_tied-eps8-seed0"]["epsilon_spent"] == pytest.approx(8.0, abs=0.05)
+    assert names["rows16-dp_untied-eps8-seed0"]["noise"].startswith("explicit_seed")  # common random numbers
 
     again = study(tmp_path, tiny_pretrained, "--seeds", "0")
     assert again.returncode == 0 and "4 of 4 runs already recorded" in again.stdout, again.stdout[-3000:]

@@ -126,6 +126,7 @@ def child_main(spec_json: str) -> None:
         "noise_multiplier": strategy.noise_multiplier if private else None,
         "sample_rate": strategy.sample_rate if private else None,
         "ledger_epsilon": ledger.get("epsilon") if ledger else None,
+        "noise": ledger.get("noise") if ledger else None,
         "step_time_s": statistics.fmean(times) if times else None,
         "step_time_after_first_s": statistics.fmean(times[1:]) if len(times) > 1 else None,
         "step_time_median_s": statistics.median(times) if times else None,
