@@ -312,12 +312,14 @@ def classifier_args(args: argparse.Namespace, sources: dict[str, Any], arm: str,
                     folder: Path, *, synthetic: Path | None = None) -> list[str]:
     """A classifier arm as the tying study runs it; ``synthetic``: trained without DP on that folder's train.tsv."""
     if synthetic is None:
-        return tying.dplit_args(args, sources, {"arm": arm, "epsilon": epsilon, "seed": seed}, folder)
+        run = {"arm": arm, "epsilon": epsilon, "seed": seed, "rows": args.train_examples}  # noise from OS entropy
+        return tying.dplit_args(args, sources, run, folder)
     on_synthetic = copy.copy(args)
     on_synthetic.train_examples, on_synthetic.epochs = None, args.synthetic_epochs
     on_synthetic.batch_size, on_synthetic.lr = args.synthetic_batch_size, args.synthetic_lr
     rows = {**sources, "data_dir": str(synthetic)}
-    return tying.dplit_args(on_synthetic, rows, {"arm": "non_private", "epsilon": None, "seed": seed}, folder)
+    return tying.dplit_args(on_synthetic, rows, {"arm": "non_private", "epsilon": None, "seed": seed, "rows": None},
+                            folder)
 
 
 def dplit_command(argv: list[str]) -> list[str]:

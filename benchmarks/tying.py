@@ -238,9 +238,11 @@ def _named(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def grid_runs(args: argparse.Namespace, arms: tuple[str, ...], rows: int | None) -> list[dict[str, Any]]:
-    """The DP runs of ``arms`` at one scale, seed by seed (so a partial grid holds whole pairs)."""
+    """The DP runs of ``arms`` at one scale, seed by seed (so a partial grid holds whole pairs); with common noise
+    both arms of seed s run ``DPStrategy(seed=s)`` (``dp_seed``)."""
     chosen = [arm for arm in arms if arm in args.arms]
-    return _named([{"arm": arm, "epsilon": epsilon, "seed": seed, "rows": rows}
+    return _named([{"arm": arm, "epsilon": epsilon, "seed": seed, "rows": rows,
+                    "dp_seed": seed if args.noise == "common" else None}
                    for seed in args.seeds for epsilon in args.epsilons for arm in chosen])
 
 
@@ -320,7 +322,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     return command + [
         prefix + "target_epsilon", repr(float(run["epsilon"])), prefix + "max_grad_norm", repr(args.max_grad_norm),
         prefix + "clipping", "ghost", prefix + "max_physical_batch_size", str(args.physical_batch_size),
-        *((prefix + "seed", str(run["seed"])) if args.noise == "common" else ()),
+        *((prefix + "seed", str(run["dp_seed"])) if run.get("dp_seed") is not None else ()),
     ]
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from benchmarks.study import sst2
+from benchmarks.study.arm import child_environment
 from benchmarks.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
 from benchmarks.tying import Study, chosen_lr, grid_runs, parse_args, recorded_rows, settings_key
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
@@ -121,6 +122,13 @@ def test_an_untied_model_draws_its_extra_noise_after_every_parameter_it_shares_w
     assert len(untied) == len(tied) + 1 and untied[: len(tied)] == tied and "lm_head" in untied[-1]
 
 
+def test_each_arm_gets_a_port_of_its_own_and_no_inherited_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MASTER_PORT", "29533")
+    monkeypatch.setenv("RANK", "3")
+    first, second = child_environment(1), child_environment(1)
+    assert "RANK" not in first and first["MASTER_PORT"] != "29533" and first["MASTER_PORT"] != second["MASTER_PORT"]
+
+
 def test_the_sweep_chooses_the_best_held_out_rate_only_once_every_candidate_finished() -> None:
     rows = [
         {"sweep": True, "rows": 160, "lr": lr, "val_acc": acc, "status": "ok"}
@@ -214,7 +222,8 @@ def study(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProce
                "--holdout-rows", "16", "--reference-seeds", "1", "--eval-batch-size", "16", "--max-length", "32",
                "--physical-batch-size", "8", "--timeout", "300", "--out", str(tmp_path / "out"), "--logs",
                str(tmp_path / "logs"), *extra]  # fmt: skip
-    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # as after an in-process DP run (Lightning exports MASTER_PORT): the arms, 2 at a time, must not share it
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": "29533", "MASTER_ADDR": "127.0.0.1"}
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=environment, check=False)
 
 
