@@ -272,17 +272,18 @@ def fingerprint(argv: list[str], replacements: dict[str, str], code: str) -> str
     return json.dumps({"code": code, "command": [replacements.get(item, item) for item in argv]})
 
 
+def model_identity(sources: dict[str, Any]) -> str:
+    """The checkpoint, named without this machine's paths: the GGUF file's name, else the hub name or folder."""
+    return Path(sources["gguf_source"]).name if sources.get("gguf_source") else str(sources["pretrained"])
+
+
 def settings_key(args: argparse.Namespace, sources: dict[str, Any], code: str) -> dict[str, Any]:
     """What every row of one results.json shares: the code version, the model and the non-grid settings."""
-    model = Path(sources["gguf_source"]).name if sources.get("gguf_source") else sources["pretrained"]
-    return {"code": code, "model": model, **{key: getattr(args, key) for key in NUMERIC_SETTINGS}}
+    return {"code": code, "model": model_identity(sources), **{key: getattr(args, key) for key in NUMERIC_SETTINGS}}
 
 
-def recorded_rows(path: Path, key: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
-    """The finished rows of an earlier sitting with the same settings key, and how many rows were dropped."""
-    if not path.is_file():
-        return [], 0
-    earlier = json.loads(path.read_text())
+def recorded_rows(earlier: dict[str, Any], key: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """The finished rows of an earlier sitting's results with the same settings key, and how many were dropped."""
     rows = earlier.get("runs", [])
     same = earlier.get("settings_key") == key
     kept = [r for r in rows if same and r.get("status") == "ok" and r.get("fingerprint")]
@@ -332,7 +333,7 @@ class Study:
     def __init__(self, args: argparse.Namespace, sources: dict[str, Any], holdout: dict[str, Any] | None,
                  code: str) -> None:
         self.args, self.sources, self.holdout, self.code = args, sources, holdout, code
-        model = Path(sources["gguf_source"]).name if sources.get("gguf_source") else "<model>"
+        model = model_identity(sources) if sources.get("gguf_source") else "<model>"  # a folder's path is this machine's
         self.replacements = {str(sources["pretrained"]): model, str(sources["data_dir"]): "<sst2>"}
         if holdout is not None:
             self.replacements[str(holdout["data_dir"])] = "<sst2 held-out>"
@@ -689,7 +690,7 @@ def main(argv: list[str] | None = None) -> None:
     key = settings_key(args, sources, code)
     path = args.out / "results.json"
     earlier = json.loads(path.read_text()) if path.is_file() and not args.fresh else None
-    kept, dropped = recorded_rows(path, key) if earlier else ([], 0)
+    kept, dropped = recorded_rows(earlier, key) if earlier else ([], 0)
     if dropped:
         print(f"{relative(path)}: {dropped} earlier row(s) dropped (failed, or other settings or code: "
               f"{'same' if earlier and earlier.get('settings_key') == key else 'different'} settings key)", flush=True)

@@ -195,9 +195,10 @@ def test_rows_of_other_settings_or_failed_rows_are_not_kept(tmp_path: Path) -> N
     rows = [{"status": "ok", "fingerprint": "a"}, {"status": "failed", "fingerprint": "b"}]
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"settings_key": key, "runs": rows}))
-    assert recorded_rows(path, key) == ([rows[0]], 1)
-    assert recorded_rows(path, settings_key(parse_args(["--batch-size", "16"]), sources, "abc")) == ([], 2)
-    assert recorded_rows(path, settings_key(args, sources, "def")) == ([], 2)
+    earlier = json.loads(path.read_text())
+    assert recorded_rows(earlier, key) == ([rows[0]], 1)
+    assert recorded_rows(earlier, settings_key(parse_args(["--batch-size", "16"]), sources, "abc")) == ([], 2)
+    assert recorded_rows(earlier, settings_key(args, sources, "def")) == ([], 2)
 
 
 # --------------------------------------------------------------------------------------------------------------------
