@@ -182,7 +182,10 @@ DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LO
 
 
 def _free_port() -> int:
-    """A TCP port the operating system reports free now (it hands out distinct ones to calls close in time)."""
+    """A TCP port the operating system reports free now (it hands out distinct ones to calls close in time).
+
+    Not Lightning's ``find_free_network_port``: that returns ``STANDALONE_PORT`` when set, one port for every arm.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
