@@ -216,6 +216,8 @@ def main() -> None:
     counter = CollectiveCounter()
     for scenario in scenarios:
         run(scenario, out, counter)
+    if dist.is_initialized():  # release gloo before interpreter exit, as torch asks, not in its destructors
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
