@@ -1,0 +1,140 @@
+"""ε of Poisson-sampled Gaussian DP-SGD under both neighbouring relations, from Google's ``dp-accounting`` PLD.
+
+Add/remove-one (what dplit's own accountant and its card's ε use) calls two datasets neighbours when one has one
+example more; its ε protects membership only if N itself stays secret. Replace-one (substitution) calls them
+neighbours when one example is swapped for another, N fixed: the relation under which a published N and q are
+harmless. A swap moves the noisy sum by up to 2C instead of C, so replace-one ε is the larger of the two.
+``dp-accounting>=0.6`` is a dependency because it is a maintained peer accountant that supports the replace-one
+relation, which opacus' accountants (RDP, PRV: add/remove only) do not.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Literal, get_args
+
+import dp_accounting
+from dp_accounting.pld import pld_privacy_accountant
+
+Relation = Literal["add_remove", "replace_one"]
+Segment = tuple[float, float, int]  # (σ, q, steps), as dplit.privacy.accountant.History keeps them
+
+VALUE_DISCRETIZATION_INTERVAL = 1e-3
+"""The PLD's privacy-loss grid step. dp-accounting's own Gaussian calibration (``pld/accountant.py``) and its basic
+example use 1e-3 with connect-the-dots; measured against its default 1e-4 on 3,000-step histories, ε moves by at
+most 0.0015 (both are upper bounds, pessimistic rounding) while one ε costs ≤ 0.3 s instead of ≤ 3.5 s."""
+
+_RELATIONS: dict[str, dp_accounting.NeighboringRelation] = {
+    "add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+    "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE,
+}
+
+
+def epsilon_under(
+    relation: Relation,
+    history: Sequence[Segment],
+    *,
+    delta: float,
+    value_discretization_interval: float = VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """ε at δ of DP-SGD that ran ``history``'s segments in turn, under ``relation``, by dp-accounting's PLD.
+
+    Each segment (σ, q, steps) is ``steps`` Poisson-sampled (rate q) Gaussian steps with noise multiplier σ
+    (noise std σ·C, clipping norm C); the segments compose. ``PLDAccountant`` models one step as the pair of
+    mixtures (1 − q)·N(0, σ²) + q·N(∓1, σ²): add/remove takes N(0, σ²) against one mixture with shift 1
+    (sensitivity C), both directions; replace-one takes the two mixtures with opposite shifts, whose means are 2
+    apart (the swapped example's clipped gradient, norm ≤ C, replaced by one pointing the other way: sensitivity
+    2C). At q = 1 this is exactly a Gaussian mechanism with μ = 1/σ (add/remove) or μ = 2/σ (replace-one) per step.
+    The result is an upper bound (pessimistic discretization); ε past ≈ 700 overflows e^ε and comes back ∞.
+
+    Args:
+        relation: ``"add_remove"`` (add or remove one example) or ``"replace_one"`` (substitute one example).
+        history: (σ, q, steps) segments, as ``PrivacyAccountant.state_dict()["history"]`` keeps them; σ ≥ 0
+            (σ = 0 is no noise: ε = ∞), q in (0, 1], steps ≥ 1. Empty: nothing spent, ε = 0.
+        delta: the δ in (0, 1) at which ε is reported.
+        value_discretization_interval: the PLD grid step (see :data:`VALUE_DISCRETIZATION_INTERVAL`).
+
+    Returns:
+        The smallest ε (≥ 0) for which dp-accounting certifies (ε, δ)-DP, or ``math.inf``.
+
+    Raises:
+        ValueError: in one line, for an unknown relation or a σ, q, steps, δ or grid step out of range.
+    """
+    neighboring = _neighboring_relation(relation)
+    _check_delta(delta)
+    _check_interval(value_discretization_interval)
+    segments = [_checked_segment(index, segment) for index, segment in enumerate(history)]
+    if not segments:
+        return 0.0
+    if any(sigma == 0 for sigma, _, _ in segments):
+        return math.inf
+    accountant = pld_privacy_accountant.PLDAccountant(
+        neighboring_relation=neighboring, value_discretization_interval=value_discretization_interval
+    )
+    accountant.compose(_dp_event(segments))
+    with _quiet_overflow():
+        return float(accountant.get_epsilon(delta))
+
+
+def epsilons(history: Sequence[Segment], *, delta: float) -> dict[Relation, float]:
+    """ε at δ under each relation, keyed ``"add_remove"`` and ``"replace_one"`` (see :func:`epsilon_under`)."""
+    return {relation: epsilon_under(relation, history, delta=delta) for relation in get_args(Relation)}
+
+
+def _dp_event(segments: list[Segment]) -> dp_accounting.DpEvent:
+    """The segments as one dp-accounting event: each a self-composed Poisson-sampled Gaussian, in turn."""
+    return dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), steps
+            )
+            for sigma, q, steps in segments
+        ]
+    )
+
+
+def _neighboring_relation(relation: str) -> dp_accounting.NeighboringRelation:
+    if relation not in _RELATIONS:
+        raise ValueError(f"relation must be 'add_remove' or 'replace_one', got {relation!r}")
+    return _RELATIONS[relation]
+
+
+def _check_delta(delta: float) -> None:
+    if not (isinstance(delta, numbers.Real) and 0 < delta < 1):
+        raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
+
+
+def _check_interval(interval: float) -> None:
+    if not (isinstance(interval, numbers.Real) and 0 < interval <= 0.1):
+        raise ValueError(f"value_discretization_interval must be in (0, 0.1], got {interval!r}")
+
+
+def _checked_segment(index: int, segment: Segment) -> Segment:
+    """``segment`` as (float σ, float q, int steps), or a one-line ValueError naming the segment and the value."""
+    try:
+        sigma, q, steps = segment
+    except (TypeError, ValueError):
+        raise ValueError(f"history[{index}] must be a (sigma, q, steps) triple, got {segment!r}") from None
+    if not (_is_real(sigma) and math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"history[{index}]: noise multiplier sigma must be a finite number ≥ 0, got {sigma!r}")
+    if not (_is_real(q) and 0 < q <= 1):
+        raise ValueError(f"history[{index}]: sample rate q must be in (0, 1], got {q!r}")
+    if not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 1):
+        raise ValueError(f"history[{index}]: steps must be an integer ≥ 1, got {steps!r}")
+    return float(sigma), float(q), int(steps)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@contextmanager
+def _quiet_overflow() -> Iterator[None]:
+    """Silence numpy's overflow warnings inside dp-accounting where ε passes ≈ 700 (it then reports ∞)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="overflow encountered", category=RuntimeWarning)
+        yield
