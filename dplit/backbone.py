@@ -208,9 +208,10 @@ def check_gguf_file(folder: str, gguf_file: str, flag_prefix: str) -> None:
         raise ValueError(f"{flag_prefix}.gguf_file: {path} is not a file")
 
 
-def unloadable_message(name: str, flag: str, error: Exception) -> str:
-    """The message for a checkpoint that neither exists as a folder nor loads from the hub."""
+def unloadable_message(name: str, flag: str, error: Exception, what: str = "model") -> str:
+    """The message for a checkpoint (``what``: or a dataset) that neither exists as a folder nor loads from the hub."""
     if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
-        where = "is not a model folder (no config.json)" if Path(name).is_dir() else "does not exist"
+        folder = "is not a model folder (no config.json)" if what == "model" else f"is not a {what} folder"
+        where = folder if Path(name).is_dir() else "does not exist"
         return f"{flag}={name!r}: the folder {where}"
-    return f"{flag}={name!r} could not be loaded from the Hugging Face hub (offline, or no such model): {error}"
+    return f"{flag}={name!r} could not be loaded from the Hugging Face hub (offline, or no such {what}): {error}"

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,7 +24,7 @@ from dplit.model import CausalLMClassifier
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.commands import export_main, generate_main
 from dplit.strategy import DPStrategy
-from dplit.terminal import terminal_output
+from dplit.terminal import dependency_refusal, terminal_output
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
 _PRIVACY_NUMBERS = {
@@ -103,9 +104,10 @@ class DPLitCLI(LightningCLI):
         super().parse_arguments(parser, args)
         subcommand = self.config.get("subcommand")
         if subcommand is not None:
-            check_checkpoint_path(self.config[subcommand].get("ckpt_path"))
-            check_gguf_files(self.config[subcommand])
-            if subcommand == "fit" and not check_privacy_choice(self.config[subcommand]):
+            config = self.config[subcommand]
+            check_checkpoint_path(config.get("ckpt_path"), weights_only=config.get("weights_only") is not False)
+            check_gguf_files(config)
+            if subcommand == "fit" and not check_privacy_choice(config):
                 rank_zero_warn(NON_PRIVATE_WARNING, category=PrivacyWarning)
 
     def before_fit(self) -> None:
@@ -221,8 +223,14 @@ def find_last_checkpoint(trainer: Trainer) -> Path:
     return max(found, key=lambda path: path.stat().st_mtime)
 
 
-def check_checkpoint_path(ckpt_path: str | None) -> None:
-    """Refuse a ``--ckpt_path`` that does not exist or is not a checkpoint, in one line naming it."""
+def check_checkpoint_path(ckpt_path: str | None, *, weights_only: bool = True) -> None:
+    """Refuse a ``--ckpt_path`` that does not exist or is not a checkpoint, in one line naming it.
+
+    Args:
+        ckpt_path: the flag's value (Lightning's aliases and URLs pass unchecked).
+        weights_only: whether it will be loaded with ``torch.load(weights_only=True)`` (``--weights_only``), which
+            refuses a file that pickles any other object than tensors and plain values: refused here already.
+    """
     if (
         ckpt_path is None
         or ckpt_path in _LIGHTNING_CKPT_ALIASES
@@ -233,8 +241,17 @@ def check_checkpoint_path(ckpt_path: str | None) -> None:
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise ValueError(f"--ckpt_path {ckpt_path}: no such file")
-    if not zipfile.is_zipfile(path):
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else None
+    except RuntimeError:  # a zip archive that torch.save did not write
+        unsafe = None
+    if unsafe is None:
         raise ValueError(f"--ckpt_path {ckpt_path}: not a checkpoint (not a file written by torch.save / Lightning)")
+    if unsafe and weights_only:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path}: not a checkpoint dplit can load: it pickles {', '.join(unsafe)}, which "
+            "torch.load(weights_only=True) refuses to run (a Lightning checkpoint holds tensors and plain values)"
+        )
 
 
 def run_cli(args: ArgsType = None) -> DPLitCLI:
@@ -254,8 +271,9 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 def main(args: ArgsType = None) -> None:
     """Entry point of ``dplit fit|validate|test|audit|export`` and ``dplit lm fit|validate|audit|generate|export``.
 
-    A refusal prints ``dplit: error: <message>`` on one line and exits 2; ``--debug`` or ``DPLIT_DEBUG=1`` shows
-    the traceback instead.
+    A refusal (one of :data:`REFUSALS`, or Lightning's or torch's own refusal of a setting: see
+    :func:`dplit.terminal.dependency_refusal`) prints ``dplit: error: <message>`` on one line and exits 2;
+    ``--debug`` or ``DPLIT_DEBUG=1`` shows the traceback instead.
     """
     argv = list(sys.argv[1:] if args is None else args)
     debug = "--debug" in argv or os.environ.get("DPLIT_DEBUG") == "1"
@@ -263,12 +281,19 @@ def main(args: ArgsType = None) -> None:
     try:
         with terminal_output():
             _run(argv)
-    except REFUSALS as error:
-        if debug:
+    except Exception as error:
+        message = refusal_message(error)
+        if debug or message is None:
             raise
-        message = " ".join(str(error).split())  # one line
         print(f"dplit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def refusal_message(error: Exception) -> str | None:
+    """The one line a refusal prints (``None``: not a refusal, so its traceback is shown)."""
+    if isinstance(error, REFUSALS):
+        return " ".join(str(error).split())
+    return dependency_refusal(error)
 
 
 def _run(argv: list[str]) -> None:

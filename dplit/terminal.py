@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from types import FrameType
+from typing import Any, TextIO
 
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from transformers.utils import logging as transformers_logging
 
 from dplit.privacy.warnings import PrivacyWarning
@@ -95,3 +98,47 @@ def terminal_output() -> Iterator[None]:
                 logger.removeFilter(noise)
             if bars:
                 transformers_logging.enable_progress_bar()
+
+
+def dependency_refusal(error: BaseException) -> str | None:
+    """Lightning's or torch's own refusal of a setting as one line naming the settings; ``None`` for other errors.
+
+    Two kinds, told apart by what raised them rather than by their wording:
+
+    * Lightning's ``MisconfigurationException`` (its type for settings that cannot work: ``devices=0``, an
+      accelerator the machine lacks, ...); raised while the ``Trainer`` is built, the line starts with the
+      ``trainer.accelerator`` and ``trainer.devices`` it was given.
+    * an error raised while ``torch.distributed`` starts the process group (a backend torch was not built with,
+      a port in use, ...); the line names ``process_group_backend`` and the rendezvous address.
+    """
+    frames = list(_frames(error))
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, MisconfigurationException):
+        trainer = _locals_of(frames, "lightning.pytorch.trainer.trainer", "__init__")
+        if trainer is None:
+            return text
+        return f"trainer.accelerator={trainer.get('accelerator')!r}, trainer.devices={trainer.get('devices')!r}: {text}"
+    group = _locals_of(frames, "torch.distributed.distributed_c10d", "init_process_group")
+    if group is None or not isinstance(error, RuntimeError):
+        return None
+    address = f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
+    return (
+        f"torch.distributed could not start the process group (trainer.strategy.init_args.process_group_backend="
+        f"{group.get('backend')!r}, {address}): {text}"
+    )
+
+
+def _frames(error: BaseException) -> Iterator[FrameType]:
+    """The frames ``error`` passed through, outermost first."""
+    trace = error.__traceback__
+    while trace is not None:
+        yield trace.tb_frame
+        trace = trace.tb_next
+
+
+def _locals_of(frames: list[FrameType], module: str, function: str) -> dict[str, Any] | None:
+    """The local variables of the innermost call of ``module.function`` among ``frames`` (``None``: no such call)."""
+    for frame in reversed(frames):
+        if frame.f_code.co_name == function and frame.f_globals.get("__name__") == module:
+            return frame.f_locals
+    return None

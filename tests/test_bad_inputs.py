@@ -17,7 +17,9 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from dplit.data.tokenizer import load_tokenizer
 from dplit.strategy import DPStrategy
 from tests.executable import dplit_executable, user_environment
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
@@ -50,6 +52,11 @@ def lm_args(run: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def lm_hub_dataset(name: str) -> Setup:
+    """``dplit lm fit`` on the hub dataset ``name`` (offline: see :data:`ROW_ENVIRONMENTS`), the tiny BPE tokenizer."""
+    return lambda scratch, tokenizer, run: ["lm", "fit", *lm_args(run, "--data.dataset", name, "--data.tokenizer", str(tokenizer))]
+
+
 def auditing(*extra: str) -> Setup:
     """``dplit audit`` on the quickstart config, plus ``extra``."""
     return lambda scratch, tokenizer, run: ["audit", *quickstart_args(run), *extra]
@@ -74,6 +81,12 @@ def text_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
 def random_bytes_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     (scratch / "noise.ckpt").write_bytes(os.urandom(4096))
     return ["--ckpt_path", str(scratch / "noise.ckpt")]
+
+
+def object_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
+    """A file torch.save wrote, holding an arbitrary Python object (no checkpoint: weights_only refuses it)."""
+    torch.save({"a": object()}, scratch / "object.ckpt")
+    return ["--ckpt_path", str(scratch / "object.ckpt")]
 
 
 def sst2_files(train: str | bytes | None, dev: str) -> Callable[[Path, Path], list[str]]:
@@ -141,12 +154,21 @@ def exporting(checkpoint: dict | None, *extra: str, output_file: str | None = No
     return setup
 
 
-def generating(prompts: str, *extra: str, name: str = "prompts.jsonl", samples: str = "2", model: bool = True) -> Setup:
-    """``dplit lm generate`` with a prompts file holding ``prompts`` (``model=False``: the model folder is missing)."""
+def generating(
+    prompts: str, *extra: str, name: str = "prompts.jsonl", samples: str = "2", model: bool = True,
+    positions: int | None = None,
+) -> Setup:  # fmt: skip
+    """``dplit lm generate`` with a prompts file holding ``prompts`` (``model=False``: the model folder is missing).
+
+    ``positions``: a real tiny random GPT-2 with that many positions and the tiny BPE tokenizer (default: a model
+    folder whose config has no weights).
+    """
 
     def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
         folder = scratch / "model" if model else Path("/nonexistent/model")
-        if model:
+        if positions is not None:
+            save_tiny_gpt2(folder, tokenizer, positions)
+        elif model:
             folder.mkdir()
             (folder / "config.json").write_text("{}\n")  # a config without weights: never loads
         (scratch / name).write_text(prompts)
@@ -155,6 +177,21 @@ def generating(prompts: str, *extra: str, name: str = "prompts.jsonl", samples: 
 
     return setup
 
+
+def save_tiny_gpt2(folder: Path, tokenizer: Path, positions: int) -> None:
+    """A random 1-layer GPT-2 with ``positions`` positions and the tiny BPE tokenizer, as ``save_pretrained`` writes it."""
+    words = load_tokenizer(str(tokenizer))
+    end = words.eos_token_id
+    config = GPT2Config(vocab_size=len(words), n_positions=positions, n_layer=1, n_embd=8, n_head=2, bos_token_id=end, eos_token_id=end)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    words.save_pretrained(folder)
+
+
+NO_GPU_ROWS: list[tuple[str, Setup, str]] = [] if torch.cuda.is_available() else [
+    ("accelerator-gpu-without-one", flags("--trainer.accelerator", "gpu"), r"^trainer\.accelerator='gpu', .*No supported gpu backend found"),
+    ("nccl-backend-on-cpu", flags("--trainer.strategy.init_args.process_group_backend", "nccl"), r"^torch\.distributed could not start the process group \(trainer\.strategy\.init_args\.process_group_backend='nccl'.*NCCL"),
+]  # fmt: skip
+"""Rows that are bad only on a machine without a CUDA GPU."""
 
 GOOD_TSV = "\n".join([SST2_HEADER, *SST2_ROWS]) + "\n"
 CATALOGUE: list[tuple[str, Setup, str]] = [
@@ -171,6 +208,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ),
     ("text-file-as-checkpoint", with_files(text_checkpoint), r"--ckpt_path .*notes.ckpt: not a checkpoint"),
     ("random-bytes-as-checkpoint", with_files(random_bytes_checkpoint), r"--ckpt_path .*noise.ckpt: not a checkpoint"),
+    ("checkpoint-pickles-an-object", with_files(object_checkpoint), r"^--ckpt_path .*object\.ckpt: not a checkpoint dplit can load: it pickles builtins\.object"),
     ("missing-checkpoint", flags("--ckpt_path", "/nonexistent/last.ckpt"), r"--ckpt_path /nonexistent/last.ckpt: no such"),
     (
         "missing-pretrained-folder",
@@ -195,6 +233,9 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
         with_files(lambda scratch, tokenizer: [*sst2_files(GOOD_TSV, GOOD_TSV)(scratch, tokenizer), "--data.label_words", '{"0": " magnificent", "1": " great"}']),
         r"data.label_words: the word ' magnificent' for label '0' must be exactly one token",
     ),
+    # Lightning's and torch's own refusals of a trainer setting, one line each
+    ("trainer-devices-zero", flags("--trainer.devices", "0"), r"^trainer\.accelerator='cpu', trainer\.devices='0': .*not a valid input"),
+    *NO_GPU_ROWS,
     # DP is never dropped or weakened silently
     ("strategy-auto-on-a-dp-config", flags("--trainer.strategy", "auto"), r"trainer.strategy='auto' trains WITHOUT differential privacy.*--non_private true"),
     ("strategy-ddp-on-a-dp-config", flags("--trainer.strategy", "ddp"), r"trainer.strategy='ddp' trains WITHOUT differential privacy"),
@@ -229,6 +270,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("jsonl-line-not-json", lm_files("train.jsonl", '{"text": "fine"}\n{"text": fine}\n'), r"train.jsonl, line 2: not valid JSON \(Expecting value at column 10\)$"),
     ("jsonl-only-blank-lines", lm_files("train.jsonl", "\n  \n\n"), r"train\.jsonl: no examples \(only blank lines\)$"),
     ("train-file-is-a-directory", lm_files("train.jsonl", '{"text": "fine"}\n', "--data.train_file", "{scratch}"), r"^data.train_file='.*': is a directory, expected a .jsonl/.json/.csv/.txt file$"),
+    ("lm-hub-dataset-offline", lm_hub_dataset("someuser/private-notes"), r"^data\.dataset='someuser/private-notes' could not be loaded from the Hugging Face hub \(offline, or no such dataset\)"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
     # peft adapters
     ("peft-not-a-peft-config", flags("--model.peft", '{"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}'), r"^model\.peft: Import path torch\.nn\.Linear does not correspond to a subclass of PeftConfig"),
@@ -256,6 +298,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("generate-zero-samples", generating('{"prompt": "Write a review:"}\n', samples="0"), r"^--num_samples=0: must be an integer ≥ 1$"),
     ("generate-unknown-device", generating('{"prompt": "Write a review:"}\n', "--device", "gpu0"), r"^--device gpu0: not a torch device \(cpu, cuda, cuda:1, \.\.\.\)$"),
     ("generate-model-folder-without-weights", generating('{"prompt": "Write a review:"}\n'), r"^--model .*model: transformers cannot load this folder as a causal LM with its tokenizer \(ValueError\)"),
+    ("generate-prompt-fills-the-model", generating("the movie is great and it was a great movie\n", name="prompts.txt", positions=8), r"^--prompts_file line 1: the prompt has \d+ tokens, which leaves no room for --max_new_tokens within the model's limit of 8 positions"),
     ("generate-missing-model", generating('{"prompt": "Write a review:"}\n', model=False), r"^--model /nonexistent/model: no such file or folder$"),
 ]  # fmt: skip
 
@@ -267,7 +310,12 @@ def without_peft(scratch: Path) -> dict[str, str]:
     return {"PYTHONPATH": str(scratch / "no-peft")}
 
 
-ROW_ENVIRONMENTS: dict[str, Callable[[Path], dict[str, str]]] = {"peft-not-installed": without_peft}
+def offline(scratch: Path) -> dict[str, str]:
+    """An environment without the Hugging Face hub (as on a machine without internet)."""
+    return {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+ROW_ENVIRONMENTS: dict[str, Callable[[Path], dict[str, str]]] = {"peft-not-installed": without_peft, "lm-hub-dataset-offline": offline}
 """Rows that need more than the user's environment, by id: the variables they add (given the scratch folder)."""
 
 

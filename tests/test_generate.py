@@ -89,3 +89,47 @@ def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     assert "differentially private per training example, as the model is" in result.stdout + result.stderr
     assert "generating" in result.stderr  # the progress bar
     assert "Loading weights" not in result.stderr  # transformers' per-load bars are noise at dplit's terminal
+
+
+@pytest.mark.parametrize("name", ["prompts.jsonl", "prompts.csv", "prompts.json"])
+def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warning(
+    exported_lm: tuple[Path, Path], tmp_path: Path, name: str
+) -> None:
+    _, folder = exported_lm
+    backbone, tokenizer, _ = load_generator(folder)
+    limit = backbone.config.max_position_embeddings  # 32 in configs/lm_quickstart.yaml: below the default budget
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS) if name.endswith("l") else "the movie is\n")
+    prompts = read_prompts(path)
+    settings = SamplingSettings(num_samples=2, batch_size=2)
+    assert settings.max_new_tokens > limit
+    with pytest.warns(UserWarning, match=rf"^--max_new_tokens=64 .* the model's limit of {limit} positions"):
+        rows = generate_rows(backbone, tokenizer, prompts, settings, progress=False)
+    assert len(rows) == 2 * len(prompts) and all(row["text"] for row in rows)
+
+
+def test_the_executable_generates_with_default_options_from_a_quickstart_export(
+    exported_lm: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, folder = exported_lm
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("the movie is\nthis actress seems so very\n")
+    out = tmp_path / "synthetic.jsonl"
+    command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(lines),
+               "--num_samples", "1", "--output_file", str(out), "--device", "cpu", "--no_progress"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    warning = [line for line in result.stderr.splitlines() if "--max_new_tokens" in line]
+    assert len(warning) == 1 and warning[0].startswith("dplit: warning: --max_new_tokens=64"), result.stderr
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_a_prompt_that_fills_the_models_positions_is_refused_naming_its_line(
+    exported_lm: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, folder = exported_lm
+    backbone, tokenizer, _ = load_generator(folder)
+    path = tmp_path / "prompts.txt"
+    path.write_text("the movie is\n" + "the movie is very " * 20 + "\n")
+    with pytest.raises(ValueError, match=r"^--prompts_file line 2: the prompt has \d+ tokens, which leaves no room"):
+        generate_rows(backbone, tokenizer, read_prompts(path), SamplingSettings(max_new_tokens=1), progress=False)

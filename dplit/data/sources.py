@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import datasets
+from datasets.exceptions import DatasetNotFoundError
 
+from dplit.backbone import unloadable_message
 from dplit.data.tasks import TaskSpec
 
 HUB_DATASET = "nyu-mll/glue"
@@ -114,6 +116,19 @@ def load_hub_split(spec: TaskSpec, split: str, limit: int | None = None) -> Text
         labels.append(spec.hub_labels[label])
     texts = {column: list(dataset[column]) for column in spec.text_columns}
     return _non_empty(TextSplit(texts, labels, source))
+
+
+def load_hub_dataset(name: str, flag: str, *args: Any, **options: Any) -> Any:
+    """``datasets.load_dataset(name, *args, **options)``, refusing a dataset the hub cannot give in one line.
+
+    Raises:
+        ValueError: naming ``flag`` when the hub is unreachable (offline) and the dataset is not cached, or the
+            hub has no such dataset (or it is private).
+    """
+    try:
+        return datasets.load_dataset(name, *args, **options)
+    except (ConnectionError, DatasetNotFoundError) as error:
+        raise ValueError(" ".join(unloadable_message(name, flag, error, what="dataset").split())) from None
 
 
 def _column_positions(path: Path, header: list[str], spec: TaskSpec) -> dict[str, int]:

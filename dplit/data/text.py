@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
-from dplit.data.sources import csv_rows, is_blank, utf8_text
+from dplit.data.sources import csv_rows, is_blank, load_hub_dataset, utf8_text
 from dplit.data.tokenizer import load_tokenizer
 
 Split = Literal["train", "validation"]
@@ -234,7 +234,7 @@ class TextDataModule(LightningDataModule):
             size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
             texts = make_corpus_split(split, size if limit is None else min(size, limit), hp.seed)
             return TextRows(texts, None, None, f"builtin corpus [{split}, seed={hp.seed}]")
-        table = datasets.load_dataset(hp.dataset, split=split if limit is None else f"{split}[:{limit}]")
+        table = load_hub_dataset(hp.dataset, "data.dataset", split=split if limit is None else f"{split}[:{limit}]")
         return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]")
 
     def _columns(self) -> tuple[str, ...]:

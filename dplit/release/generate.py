@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ class Prompt:
 
     text: str
     label: Any = None
+    line: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_colum
     if not lines:
         raise ValueError(f"--prompts_file {path}: no prompts (the file is empty)")
     if file.suffix.lower() != ".jsonl":
-        return [Prompt(line.strip()) for _, line in lines]
+        return [Prompt(line.strip(), line=number) for number, line in lines]
     prompts = []
     for number, line in lines:
         try:
@@ -77,7 +79,7 @@ def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_colum
             raise ValueError(
                 f"--prompts_file {path} line {number}: no non-empty text column {prompt_column!r} (--prompt_column)"
             )
-        prompts.append(Prompt(row[prompt_column], row.get(label_column)))
+        prompts.append(Prompt(row[prompt_column], row.get(label_column), number))
     return prompts
 
 
@@ -139,7 +141,12 @@ def generate_rows(
     *,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """``settings.num_samples`` sampled continuations of every prompt, batched with the KV cache, seeded per batch."""
+    """``settings.num_samples`` sampled continuations of every prompt, batched with the KV cache, seeded per batch.
+
+    Each batch's continuations are capped at what the model's positions leave after its longest prompt (see
+    :func:`check_token_budget`).
+    """
+    check_token_budget(backbone, tokenizer, prompts, settings.max_new_tokens)
     jobs = [(prompt, index) for prompt in prompts for index in range(settings.num_samples)]
     rows: list[dict[str, Any]] = []
     with tqdm(total=len(jobs), desc="generating", unit="sample", disable=not progress, file=sys.stderr) as bar:
@@ -153,6 +160,38 @@ def generate_rows(
     return rows
 
 
+def check_token_budget(
+    backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], max_new_tokens: int
+) -> None:
+    """Warn once when ``--max_new_tokens`` will be capped by the model's positions; refuse a prompt that fills them.
+
+    Raises:
+        ValueError: naming ``--prompts_file`` and the line of the first prompt with as many tokens as the model
+            has positions (no room for one new token).
+    """
+    limit = position_limit(backbone)
+    if limit is None:
+        return
+    lengths = [len(tokenizer.encode(prompt.text)) for prompt in prompts]
+    for prompt, length in zip(prompts, lengths):
+        if length >= limit:
+            raise ValueError(
+                f"--prompts_file line {prompt.line}: the prompt has {length} tokens, which leaves no room for "
+                f"--max_new_tokens within the model's limit of {limit} positions (max_position_embeddings): shorten it"
+            )
+    if max(lengths) + max_new_tokens > limit:
+        warnings.warn(
+            f"--max_new_tokens={max_new_tokens} does not fit the model's limit of {limit} positions after the longest "
+            f"prompt ({max(lengths)} tokens): each batch's continuations stop at {limit} tokens, prompt included",
+            stacklevel=2,
+        )
+
+
+def position_limit(backbone: PreTrainedModel) -> int | None:
+    """The most tokens (prompt and continuation) the model has positions for (``None``: no limit known)."""
+    return getattr(backbone.config, "max_position_embeddings", None)
+
+
 @torch.no_grad()
 def _sample(
     backbone: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, texts: list[str], settings: SamplingSettings,
@@ -164,6 +203,8 @@ def _sample(
     pad = tokenizer.pad_token_id
     input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])  # [B, T]
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])  # [B, T]
+    limit = position_limit(backbone)
+    max_new_tokens = settings.max_new_tokens if limit is None else min(settings.max_new_tokens, limit - width)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed * 1_000_003 + offset)
         out = backbone.generate(
@@ -173,7 +214,7 @@ def _sample(
             temperature=float(settings.temperature),
             top_p=float(settings.top_p),
             top_k=0,
-            max_new_tokens=settings.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             use_cache=True,
             pad_token_id=pad,
             eos_token_id=tokenizer.eos_token_id,
