@@ -21,7 +21,11 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 class ResourceMonitor(Callback):
-    """Logs ``memory/peak_mb`` and ``perf/samples_per_sec`` (examples of the logical batch per second)."""
+    """Logs ``memory/peak_mb`` and ``perf/samples_per_sec`` (examples of the logical batch per second).
+
+    Both depend on the private batches (their size and lengths): nothing is logged under a strategy whose
+    ``private_diagnostics`` is ``False``.
+    """
 
     def __init__(self) -> None:
         self._started = 0.0
@@ -34,6 +38,8 @@ class ResourceMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if not getattr(trainer.strategy, "private_diagnostics", True):  # DPStrategy(private_diagnostics=False)
+            return
         elapsed = time.perf_counter() - self._started
         examples = batch["input_ids"].shape[0] if isinstance(batch, dict) and "input_ids" in batch else 0
         pl_module.log("memory/peak_mb", peak_memory_mb(pl_module.device), on_step=True, batch_size=1)

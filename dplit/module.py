@@ -16,6 +16,7 @@ from typing_extensions import override
 from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
 from dplit.backbone import build_causal_lm
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
 from dplit.release.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
@@ -52,6 +53,8 @@ class CausalLMModule(LightningModule):
         """
         hp = self.hparams
         check_optimizer_settings(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.lr_schedule)
+        self.privacy_history = PrivacyHistory(inherited_segments(pretrained))
+        self._step_hooks: list[Any] = []
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         self.backbone = build_causal_lm(
             pretrained=pretrained,
@@ -106,9 +109,25 @@ class CausalLMModule(LightningModule):
             logger.log_hyperparams({"embedding_policy": repr(self.embeddings), **facts})
 
     @override
+    def on_train_start(self) -> None:
+        """Watch every optimizer: a step no DP step announced marks the weights non-private for good."""
+        for handle in self._step_hooks:
+            handle.remove()
+        self._step_hooks = [
+            optimizer.register_step_post_hook(lambda *_: self.privacy_history.optimizer_stepped())
+            for optimizer in self.trainer.optimizers
+        ]
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Take the privacy history that came with the checkpoint's weights (or the one its ledger implies)."""
+        self.privacy_history = history_in_checkpoint(checkpoint)
+
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the classes, embedding policy and dplit commit, so ``dplit export`` needs nothing but the file."""
+        """Record the weights' privacy history, the classes, embedding policy and dplit commit (all ``dplit export`` needs)."""
         checkpoint[RELEASE_KEY] = release_record(self, getattr(self._trainer, "datamodule", None))
+        checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

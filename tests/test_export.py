@@ -142,7 +142,8 @@ def test_the_card_states_the_ledgers_epsilon_and_every_fact_a_reviewer_needs(tmp
     card = (tmp_path / "export" / "README.md").read_text()
     assert card.splitlines()[0].startswith("# Differentially private") and f"ε = {guarantee['epsilon']:.4g}" in card
     for fact in ("poisson", "one training example", "clipping bound C", "hyperparameters",
-                 "train/* diagnostics", "non-secure RNG", "dplit commit", "data source", "base model"):  # fmt: skip
+                 "dp/clip_fraction", "perf/samples_per_sec", "private_diagnostics", "non-secure RNG", "dplit commit",
+                 "data source", "base model", "replace-one", "Privacy history of these weights"):  # fmt: skip
         assert fact in card, fact
 
 

@@ -284,3 +284,20 @@ def test_uncovered_trainable_parameter_is_refused_at_setup_by_name(tmp_path: Pat
     with pytest.raises(ValueError, match="'temperature'"):
         fit(tmp_path, model, max_steps=1, clipping="ghost", callbacks=[StepSpy()])
     assert steps == []
+
+
+def test_private_diagnostics_off_logs_only_the_public_privacy_metrics(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dplit.cli import run_cli
+    from tests.test_cli import quickstart_args, steps
+
+    quiet = ["--trainer.strategy.init_args.private_diagnostics", "false"]
+    with caplog.at_level("INFO"):
+        cli = run_cli(["fit", *quickstart_args(tmp_path / "quiet", *steps(2), *quiet)])
+    training = {key for key in cli.trainer.logged_metrics if not key.startswith("val/")}
+    assert training and all(key.startswith("privacy/") for key in training), training
+    lines = [record.getMessage() for record in caplog.records if "examples from synthetic[train" in record.getMessage()]
+    assert lines and all("longest prompt" not in line for line in lines)
+    loud = run_cli(["fit", *quickstart_args(tmp_path / "loud", *steps(2))])
+    assert {"dp/grad_norm", "dp/clip_fraction", "perf/samples_per_sec", "memory/peak_mb"} <= set(loud.trainer.logged_metrics)

@@ -125,7 +125,7 @@ class GlueDataModule(LightningDataModule):
             The split as a map-style dataset of ``{"input_ids": list[int], "label": int}``.
         """
         if split not in self._datasets:
-            self._datasets[split] = self._tokenize(self._read(split))
+            self._datasets[split] = self._tokenize(self._read(split), private=split == "train")
         return self._datasets[split]
 
     def train_dataloader(self) -> DataLoader:
@@ -172,14 +172,18 @@ class GlueDataModule(LightningDataModule):
             return read_glue_tsv(path, self.spec, limit)
         return load_hub_split(self.spec, _HUB_SPLITS[split], limit)
 
-    def _tokenize(self, texts: TextSplit) -> TokenizedDataset:
+    def _tokenize(self, texts: TextSplit, *, private: bool) -> TokenizedDataset:
+        """Encode a split's prompts; its length statistics are logged unless the split is private and the trainer's
+        strategy keeps private diagnostics out of the logs (``DPStrategy.private_diagnostics=false``)."""
         encoded = self.prompt.encode(texts.texts)
         labels = [self._class_index[label] for label in texts.labels]
+        quiet = private and not getattr(getattr(self.trainer, "strategy", None), "private_diagnostics", True)
         longest = max(len(ids) for ids in encoded.input_ids)
-        rank_zero_info(
-            f"{self.task}: {len(labels)} examples from {texts.source}, longest prompt {longest} tokens, "
-            f"{encoded.num_truncated} truncated to data.max_length={self.prompt.max_length}"
+        statistics = (
+            "" if quiet else f", longest prompt {longest} tokens, {encoded.num_truncated} truncated to "
+            f"data.max_length={self.prompt.max_length}"
         )
+        rank_zero_info(f"{self.task}: {len(labels)} examples from {texts.source}{statistics}")
         return TokenizedDataset(encoded.input_ids, labels)
 
 

@@ -125,8 +125,12 @@ def calibrate_noise_multiplier(
     steps: int,
     mechanism: Mechanism = "prv",
     epsilon_tolerance: float = 0.01,
+    prior: History | None = None,
 ) -> float:
     """The smallest σ whose ε after ``steps`` Poisson steps at rate q is ≤ target (and ≥ target − tolerance).
+
+    ``prior`` holds the (σ, q, steps) the weights already took (their privacy history): ε then counts them too,
+    so the target bounds the weights' total.
 
     A root search of σ over [10^-3, :data:`NOISE_MULTIPLIER_MAX`] that only runs the accountant where it works
     (a PRV grid within its limit, checked from one cached RDP curve first), at most 63 times (in practice 5-8),
@@ -143,12 +147,13 @@ def calibrate_noise_multiplier(
         mechanism=mechanism, sample_rate=sample_rate, steps=steps, delta=delta, target_epsilon=target_epsilon
     )
     plan = _plan(sample_rate, steps, delta)
+    before = list(prior or [])
 
     def fits(sigma: float) -> bool:
-        return mechanism == "rdp" or _prv_grid([(sigma, sample_rate, steps)], delta) <= _prv_grid_limit(delta)
+        return mechanism == "rdp" or _prv_grid([*before, (sigma, sample_rate, steps)], delta) <= _prv_grid_limit(delta)
 
     def spent(sigma: float) -> float:  # unaccountable σ lie below those PRV handles: "they spend too much"
-        return _accounted_epsilon(mechanism, [(sigma, sample_rate, steps)], delta) if fits(sigma) else math.inf
+        return _accounted_epsilon(mechanism, [*before, (sigma, sample_rate, steps)], delta) if fits(sigma) else math.inf
 
     sigma, epsilon = _search(spent, target=target_epsilon, tol=epsilon_tolerance, plan=plan)
     if target_epsilon - epsilon > epsilon_tolerance and not fits(sigma / 1.01):

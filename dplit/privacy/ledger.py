@@ -6,13 +6,15 @@ import json
 import math
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dplit.privacy.accountant import Mechanism, PrivacyAccountant
+from dplit.privacy.accountant import History, Mechanism, PrivacyAccountant
 
 LEDGER_FILE = "privacy_ledger.json"
+CHECKPOINT_KEY = "dplit_privacy"
+"""The checkpoint entry holding a run's ledger (:meth:`RunLedger.state`)."""
 
 
 def write_ledger(directory: str | Path, state: dict[str, Any], *, epsilon: float) -> Path:
@@ -93,11 +95,12 @@ class RunLedger:
         assert self.accountant is not None
         return {"run_id": self.run_id, "accountant": self.accountant.state_dict(), **facts}
 
-    def adopt_newest_record(self, folders: Iterable[Path]) -> str | None:
-        """Continue from this run's newest ``privacy_ledger.json`` in ``folders`` if it counts more steps.
+    def steps_after_checkpoint(self, folders: Iterable[Path]) -> tuple[History, str] | None:
+        """The DP steps this run's newest ``privacy_ledger.json`` in ``folders`` counts beyond the checkpoint.
 
         Steps taken after the resumed checkpoint (an interrupt before the next checkpoint) touched the data: the
-        model they trained is discarded, but their privacy cost stays counted. Returns what was found, or ``None``.
+        model they trained is discarded, but their privacy cost stays counted. Returns those steps' (σ, q, steps)
+        and a line saying what was found, or ``None``.
         """
         assert self.accountant is not None
         records = [record for record in (_read_record(folder / LEDGER_FILE) for folder in folders) if record]
@@ -108,12 +111,13 @@ class RunLedger:
         checkpoint, recorded = self.accountant.steps, history_steps(state["accountant"]["history"])
         if recorded <= checkpoint:
             return None
-        self.accountant.load_state_dict(state["accountant"])
-        return (
+        extra = _steps_beyond(state["accountant"]["history"], self.accountant.state_dict()["history"])
+        message = (
             f"DP-SGD: the checkpoint's ledger has {checkpoint} DP steps, but this run's newest ledger {path} records "
             f"{recorded}: the model of the last {recorded - checkpoint} steps is discarded, but those steps touched "
             f"the data and stay counted (ε continues from {recorded} steps)"
         )
+        return extra, message
 
     def write(self, facts: dict[str, Any], *, epsilon: float) -> None:
         """Replace the ledger file with the current state and ε (no-op without a directory)."""
@@ -124,6 +128,18 @@ class RunLedger:
 def history_steps(history: Iterable[tuple[float, float, int]]) -> int:
     """The number of DP steps in an accountant history of (σ, q, steps) entries."""
     return sum(int(count) for _, _, count in history)
+
+
+def _steps_beyond(longer: Iterable[Sequence[float]], shorter: Iterable[Sequence[float]]) -> History:
+    """The (σ, q, steps) entries of ``longer`` after the first ``steps`` of ``shorter`` (a history it extends)."""
+    remaining = history_steps(shorter)  # type: ignore[arg-type]
+    extra: History = []
+    for sigma, rate, count in longer:
+        taken = min(int(count), remaining)
+        remaining -= taken
+        if int(count) > taken:
+            extra.append((float(sigma), float(rate), int(count) - taken))
+    return extra
 
 
 def _read_record(path: Path) -> tuple[Path, dict[str, Any]] | None:

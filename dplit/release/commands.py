@@ -46,10 +46,14 @@ def export_main(argv: list[str]) -> None:
     )
     parser.add_argument("--adapter_only", action="store_true", help="write peft's adapter folder instead of merging")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier dplit export in --output_dir")
+    parser.add_argument(
+        "--data_description", default=None, help="the training data as the card names it (default: the file's base name)"
+    )
     args = parser.parse_args(argv)
     folder = export_checkpoint(
-        args.ckpt_path, args.output_dir, config=args.config, adapter_only=args.adapter_only, overwrite=args.overwrite
-    )
+        args.ckpt_path, args.output_dir, config=args.config, adapter_only=args.adapter_only,
+        overwrite=args.overwrite, data_description=args.data_description,
+    )  # fmt: skip
     rank_zero_info(export_summary(folder, _guarantee(folder)))
 
 

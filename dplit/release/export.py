@@ -29,6 +29,7 @@ def export_checkpoint(
     config: str | Path | None = None,
     adapter_only: bool = False,
     overwrite: bool = False,
+    data_description: str | None = None,
 ) -> Path:
     """Write ``output_dir``: weights, config, generation config, tokenizer, ``README.md`` and ``dp_guarantee.json``.
 
@@ -38,6 +39,7 @@ def export_checkpoint(
         config: the run's YAML config, for a checkpoint without dplit's release record.
         adapter_only: write peft's adapter folder (``PeftModel.from_pretrained`` loads it) instead of the merged model.
         overwrite: replace an earlier dplit export in ``output_dir``.
+        data_description: what the card says the training data was (default: the file's or folder's base name).
 
     Returns:
         The folder written.
@@ -48,6 +50,8 @@ def export_checkpoint(
     check_checkpoint_file(ckpt_path, flag="--ckpt_path")
     target = check_output_dir(output_dir, overwrite=overwrite)
     trained = load_trained(ckpt_path, config=config)
+    if data_description:
+        trained.guarantee["data_source"] = data_description
     if adapter_only:
         _check_adapter_only(trained)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))

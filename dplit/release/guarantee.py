@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 from dplit.data.sources import HUB_DATASET
 from dplit.privacy.accountant import PrivacyAccountant
-from dplit.privacy.ledger import history_steps
 from dplit.release.provenance import RELEASE_KEY
-from dplit.strategy import CHECKPOINT_KEY
+from dplit.privacy.history import GUARANTEE_FILE, history_in_checkpoint, segment_steps
+from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.privacy.relations import epsilon_under
 
-GUARANTEE_FILE = "dp_guarantee.json"
+NEIGHBOURING_RELATION = (
+    "add/remove one example (ε above); the card publishes N and q, which add/remove treats as secret, so ε under "
+    "replace-one (substitution, N public) is given too"
+)
+NEVER_PRIVATE = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
 PRIVACY_UNIT = "one training example (one row of the training data)"
 NOT_COVERED = (
     "choosing hyperparameters (learning rate, C, epochs, ...) by runs on the private data: each such run spends "
     "privacy that this ε does not count",
-    "the train/* diagnostics a run logs (training loss, clipped share, gradient norms): computed from the private "
-    "data without noise, so they must not be released",
+    "the diagnostics a run logs unless DPStrategy.private_diagnostics=false: train/* (loss, accuracy), dp/grad_norm, "
+    "dp/clip_fraction, dp/dropped_examples, perf/samples_per_sec (the realised batch size), memory/peak_mb and the "
+    "longest training prompt the GLUE datamodule reports are computed from the private data without noise, so they "
+    "must not leave the trust boundary",
     "validation metrics computed on data that is itself private (val/*): only the model's weights are covered",
     "the non-secure RNG: noise and Poisson sampling come from torch's generators seeded from the operating "
     "system's entropy, not from a cryptographically secure sampler, and floating-point noise is not "
@@ -28,46 +36,62 @@ NOT_COVERED = (
 
 
 def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The privacy facts of a loaded Lightning checkpoint (``checkpoint["dplit_privacy"]``, hyperparameters).
+    """The privacy facts of a loaded Lightning checkpoint: its weights' privacy history, its run ledger, its model.
 
-    A checkpoint trained without :class:`~dplit.strategy.DPStrategy`, with σ = 0 or with an explicit (predictable)
-    seed gets ``differentially_private: false`` and the reason.
+    ε composes every DP segment of the weights' history (every fit, resume and refit, and an export they were built
+    from), at the last run's δ. The weights get ``differentially_private: false`` and the reason when any step of
+    their history was taken without DP-SGD or with predictable noise (an explicit seed), when σ = 0, or when they
+    were never trained with :class:`~dplit.strategy.DPStrategy`.
     """
     facts = {**_training_facts(checkpoint), "not_covered": list(NOT_COVERED)}
+    history = history_in_checkpoint(checkpoint)
     ledger = checkpoint.get(CHECKPOINT_KEY)
-    if ledger is None:
-        reason = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
-        return {"differentially_private": False, "reason": reason, **facts}
-    state = ledger["accountant"]
-    accountant = PrivacyAccountant(delta=state["delta"], mechanism=state["mechanism"])
-    accountant.load_state_dict(state)
+    record = {"privacy_history": history.state_dict(), "non_private_steps": history.non_private_steps}
+    segments = [segment for segment in history.segments if segment["kind"] == "dp"]
+    if not segments:
+        reason = history.reason_not_private() or NEVER_PRIVATE
+        return {"differentially_private": False, "reason": reason, **record, **facts}
+    last = ledger or segments[-1]
+    delta = last["accountant"]["delta"] if ledger else last["delta"]
+    mechanism = last["accountant"]["mechanism"] if ledger else last["mechanism"]
+    accountant = PrivacyAccountant(delta=delta, mechanism=mechanism)
+    accountant.load_state_dict({"delta": delta, "mechanism": mechanism, "history": history.accountant_history()})
     epsilon = accountant.epsilon()
-    private, reason = True, None
-    if not math.isfinite(epsilon):
-        private, reason = False, "trained with noise_multiplier = 0: no noise, ε = ∞"
-    elif not ledger.get("noise_secure", False):
-        private, reason = False, "trained with DPStrategy.seed set: the noise is predictable from the config"
+    replace_one = epsilon_under("replace_one", history.accountant_history(), delta=delta)
+    reason = history.reason_not_private()
+    if reason is None and not math.isfinite(epsilon):
+        reason = "trained with noise_multiplier = 0: no noise, ε = ∞"
     return {
-        "differentially_private": private,
+        "differentially_private": reason is None,
         **({"reason": reason} if reason else {}),
         "epsilon": epsilon if math.isfinite(epsilon) else None,
-        "delta": state["delta"],
-        "accountant": state["mechanism"],
-        "noise_multiplier": ledger.get("noise_multiplier"),
-        "max_grad_norm": ledger.get("max_grad_norm"),
-        "expected_batch_size": ledger.get("expected_batch_size"),
-        "sample_rate": ledger.get("sample_rate"),
-        "sampling": ledger.get("sampling", "poisson"),
-        "steps": history_steps(state["history"]),
-        "accountant_history": [list(entry) for entry in state["history"]],
-        "dataset_size": ledger.get("dataset_size"),
+        "delta": delta,
+        "accountant": mechanism,
+        "neighbouring_relation": NEIGHBOURING_RELATION,
+        "epsilon_replace_one": replace_one if math.isfinite(replace_one) else None,
+        "noise_multiplier": last.get("noise_multiplier"),
+        "max_grad_norm": last.get("max_grad_norm"),
+        "expected_batch_size": last.get("expected_batch_size"),
+        "sample_rate": last.get("sample_rate"),
+        "sampling": last.get("sampling", "poisson"),
+        "steps": history.dp_steps,
+        "segments": len(segments),
+        "accountant_history": [list(entry) for entry in history.accountant_history()],
+        "dataset_size": last.get("dataset_size"),
         "privacy_unit": PRIVACY_UNIT,
-        "clipping": ledger.get("clipping"),
-        "tied_norm": ledger.get("tied_norm"),
-        "noise": ledger.get("noise"),
-        "run_id": ledger.get("run_id"),
+        "clipping": last.get("clipping"),
+        "tied_norm": last.get("tied_norm"),
+        "noise": _noise_sources(segments),
+        "run_id": last.get("run_id"),
+        **record,
         **facts,
     }
+
+
+def _noise_sources(segments: list[dict[str, Any]]) -> str:
+    """How every DP segment's noise was seeded, e.g. ``os_entropy`` or ``explicit_seed (predictable) + os_entropy``."""
+    sources = [str(segment.get("noise")) for segment in segments]
+    return " + ".join(dict.fromkeys(sources))
 
 
 def _training_facts(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +101,7 @@ def _training_facts(checkpoint: dict[str, Any]) -> dict[str, Any]:
     release = checkpoint.get(RELEASE_KEY, {})
     peft = model.get("peft")
     return {
-        "base_model": model.get("pretrained") or "randomly initialised from model.config",
+        "base_model": public_name(model.get("pretrained")) or "randomly initialised from model.config",
         "base_model_gguf_file": model.get("gguf_file"),
         "embedding_policy": release.get("embeddings"),
         "tied_embeddings": release.get("tied"),
@@ -95,13 +119,22 @@ def data_source(data: dict[str, Any]) -> str:
         task = data["task"]
         if task == "synthetic":
             return "dplit's built-in synthetic sentiment task (generated, not private)"
-        where = f"{data['data_dir']}/train.tsv" if data.get("data_dir") else f"hub dataset {HUB_DATASET} ({task})"
+        where = f"local {public_name(data['data_dir'])}/train.tsv" if data.get("data_dir") else f"hub dataset {HUB_DATASET} ({task})"
         return f"GLUE {task}: {where}"
     if data.get("train_file"):
-        return f"file {data['train_file']}"
+        return f"file {public_name(data['train_file'])}"
     if data.get("dataset", "builtin") == "builtin":
         return "dplit's built-in offline corpus (generated, not private)"
     return f"hub dataset {data['dataset']}"
+
+
+def public_name(name: str | None) -> str | None:
+    """A hub name as it is; a local path by its base name only (a card never publishes a home folder's path)."""
+    if not name:
+        return None
+    text = str(name)
+    local = text.startswith(("/", "~", ".", "\\")) or Path(text).expanduser().exists() or text.count("/") > 1
+    return Path(text).name if local else text
 
 
 def model_card(guarantee: dict[str, Any], *, kind: str) -> str:
@@ -114,7 +147,7 @@ def model_card(guarantee: dict[str, Any], *, kind: str) -> str:
     if guarantee["differentially_private"]:
         title = (
             f"# Differentially private {kind}: (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g}) "
-            "per training example"
+            "per training example (add/remove one)"
         )
     else:
         title = f"# NOT differentially private {kind}: {guarantee['reason']}"
@@ -123,10 +156,30 @@ def model_card(guarantee: dict[str, Any], *, kind: str) -> str:
         lines += ["", _statement(guarantee)]
     lines += ["", "## Privacy facts", "", "| fact | value |", "|---|---|"]
     lines += [f"| {name} | {_shown(guarantee.get(key))} |" for key, name in _FACTS if key in guarantee]
+    lines += ["", "## Privacy history of these weights", "", *_history_table(guarantee["privacy_history"]["segments"])]
     lines += ["", "## Not covered by this guarantee", ""]
     lines += [f"- {item}" for item in guarantee["not_covered"]]
     lines += ["", f"The same facts, machine-readable, are in `{GUARANTEE_FILE}`.", ""]
     return "\n".join(lines)
+
+
+def _history_table(segments: list[dict[str, Any]]) -> list[str]:
+    """Every segment of the weights' privacy history, one row each (every fit, resume, refit and non-private step)."""
+    if not segments:
+        return ["No training step is recorded for these weights."]
+    rows = ["| # | kind | steps | σ, q (steps) | C | N | noise | note |", "|---|---|---|---|---|---|---|---|"]
+    for number, segment in enumerate(segments, start=1):
+        if segment["kind"] == "dp":
+            entries = ", ".join(f"{sigma:.4g}, {rate:.4g} ({count})" for sigma, rate, count in segment["accountant"])
+            facts = [entries, _shown(segment.get("max_grad_norm")), _shown(segment.get("dataset_size"))]
+            rows.append(
+                f"| {number} | DP-SGD | {segment_steps(segment)} | {' | '.join(facts)} | {_shown(segment.get('noise'))} "
+                f"| {_shown(segment.get('note'))} |"
+            )
+        else:
+            rows.append(f"| {number} | NOT private | {segment_steps(segment)} | — | — | — | — | {_shown(segment['reason'])} |")
+    composed = "ε above composes every DP-SGD row as if all were on the same data (an upper bound for each dataset)."
+    return [*rows, "", composed]
 
 
 def _statement(g: dict[str, Any]) -> str:
@@ -135,8 +188,11 @@ def _statement(g: dict[str, Any]) -> str:
         f"to {g['privacy_unit']} of the {g['dataset_size']} training rows: DP-SGD with {g['sampling']} sampling "
         f"(rate q = {g['sample_rate']:.6g}, expected batch {g['expected_batch_size']:.6g}), every example's gradient "
         f"clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping), Gaussian noise of σ = "
-        f"{g['noise_multiplier']:.6g} times C once per step, {g['steps']} steps, ε from the {g['accountant']} "
-        "accountant. Anything computed from these weights alone (generated text, predictions) has the same guarantee."
+        f"{g['noise_multiplier']:.6g} times C once per step, {g['steps']} steps in {g['segments']} segment(s) of the "
+        f"weights' privacy history, ε from the {g['accountant']} accountant. Neighbouring datasets differ by adding or "
+        f"removing one example; under replace-one (one example substituted, N public) ε = "
+        f"{_shown(g.get('epsilon_replace_one'))} (dp-accounting PLD). Anything computed from these weights alone "
+        "(generated text, predictions) has the same guarantee."
     )
 
 
@@ -144,12 +200,16 @@ _FACTS = (
     ("epsilon", "ε"),
     ("delta", "δ"),
     ("accountant", "accountant"),
+    ("neighbouring_relation", "neighbouring relation"),
+    ("epsilon_replace_one", "ε under replace-one"),
     ("noise_multiplier", "noise multiplier σ"),
     ("max_grad_norm", "clipping bound C"),
     ("expected_batch_size", "expected batch size"),
     ("sample_rate", "sampling rate q"),
     ("sampling", "sampling method"),
     ("steps", "DP steps"),
+    ("segments", "DP segments (fits, resumes, refits)"),
+    ("non_private_steps", "steps without DP-SGD"),
     ("dataset_size", "training rows N"),
     ("privacy_unit", "privacy unit"),
     ("clipping", "clipping mode"),
