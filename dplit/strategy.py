@@ -30,8 +30,10 @@ from dplit.privacy.accountant import (
     default_delta,
 )
 from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
+from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer
-from dplit.privacy.ledger import RunLedger, ledger_folders
+from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.ledger import CHECKPOINT_KEY, RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
 from dplit.privacy.self_check import check_ghost_norms
@@ -40,7 +42,6 @@ from dplit.privacy.warnings import PrivacyWarning
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "dplit_privacy"
 INTERRUPT_CHECKPOINT = "interrupted.ckpt"
 """Saved in the run's ``checkpoints/`` folder, with the ledger, when training is interrupted or crashes."""
 TESTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed")
@@ -81,6 +82,11 @@ class DPStrategy(DDPStrategy):
             tests and debugging, never for a run that is released. Only rank 0 draws noise.
         allow_large_delta: accept δ ≥ 1/N (refused by default: a δ that large permits releasing whole
             examples); warns when used.
+        private_diagnostics: log the diagnostics computed from the private batches without noise (default
+            ``True``): ``train/loss``, ``dp/grad_norm``, ``dp/clip_fraction``, ``dp/dropped_examples``, and, through
+            :class:`~dplit.callbacks.ResourceMonitor` and the GLUE datamodule, ``perf/samples_per_sec`` (the realised
+            batch size), ``memory/peak_mb`` and the training split's longest prompt. None is covered by ε; set
+            ``False`` when logs leave the trust boundary, and only ``privacy/*`` (public) is logged in training.
         **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
     """
 
@@ -100,6 +106,7 @@ class DPStrategy(DDPStrategy):
         self_check: bool = True,
         seed: int | None = None,
         allow_large_delta: bool = False,
+        private_diagnostics: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -119,6 +126,7 @@ class DPStrategy(DDPStrategy):
         self._self_check_pending = self_check
         self._noise_source = NoiseSource(seed=seed)
         self._allow_large_delta = allow_large_delta
+        self._private_diagnostics = bool(private_diagnostics)
         self._next_epsilon: float | None = None
         self._steps_at_start = 0
         self._interrupt_path: Path | None = None
@@ -127,6 +135,7 @@ class DPStrategy(DDPStrategy):
         self._ledger = RunLedger()
         self._sample_rate: float | None = None
         self._dataset_size: int | None = None
+        self._train_rows: IndexedRows | None = None
         self._buffer: GradientBuffer | None = None
         self._state_guard: StateWriteGuard | None = None
 
@@ -156,6 +165,16 @@ class DPStrategy(DDPStrategy):
         return self._dataset_size
 
     @property
+    def private_diagnostics(self) -> bool:
+        """Whether diagnostics computed from the private batches without noise are logged (see the class doc)."""
+        return self._private_diagnostics
+
+    @property
+    def privacy_history(self) -> PrivacyHistory:
+        """The trained weights' privacy history (the module's: this run continues it)."""
+        return self.lightning_module.privacy_history
+
+    @property
     def expected_batch_size(self) -> float:
         """q·N: the global logical batch size the noisy sum is divided by."""
         assert self._sample_rate is not None and self._dataset_size is not None
@@ -167,6 +186,11 @@ class DPStrategy(DDPStrategy):
         module = self.lightning_module
         if not callable(getattr(module, "per_example_loss", None)):
             raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
+        if not isinstance(getattr(module, "privacy_history", None), PrivacyHistory):
+            raise TypeError(
+                f"DPStrategy needs {type(module).__name__}.privacy_history, the weights' "
+                "dplit.privacy.history.PrivacyHistory (subclass dplit.module.CausalLMModule, which keeps one)"
+            )
         if not module.automatic_optimization:
             raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
         super().setup(trainer)
@@ -193,6 +217,7 @@ class DPStrategy(DDPStrategy):
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
             return dataloader
         self._dataset_size, self._sample_rate = _size_and_rate(dataloader)
+        self._train_rows = dataloader.dataset  # type: ignore[assignment]
         seed = self._noise_source.seed("sampling", steps=self._ledger.steps)  # the sampler mixes in the rank
         return poisson_loader(
             dataloader, sample_rate=self._sample_rate, num_replicas=self.world_size, rank=self.global_rank, seed=seed
@@ -209,6 +234,7 @@ class DPStrategy(DDPStrategy):
         _check_delta(delta, self._dataset_size, allowed=self._allow_large_delta)
         planned = trainer.estimated_stepping_batches
         log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
+        self._check_ranks_hold_the_same_rows()
         self._open_ledger(delta, planned, log_dir)
         self._buffer = GradientBuffer(list(trainable_parameters(self.lightning_module).values()), extra=1)
         rank_zero_info(
@@ -227,17 +253,35 @@ class DPStrategy(DDPStrategy):
         if self.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
             self._stop(spent, self._next_epsilon, steps_done=trainer.global_step)
 
+    def _check_ranks_hold_the_same_rows(self) -> None:
+        """Refuse, on every rank, data-parallel ranks whose training datasets differ (in N or in any row).
+
+        Each rank samples its own shard of the indices, which is one Poisson sample only if the datasets agree.
+        """
+        if self.world_size == 1 or self._train_rows is None:
+            return
+        local = rows_fingerprint(self._train_rows)
+        same = self.reduce_boolean_decision(local == self.broadcast(local), all=True)
+        if not same:
+            raise ValueError(
+                "the training rows differ between data-parallel ranks (in number or content): each rank Poisson-samples "
+                "its own shard of ONE dataset, so every rank must build the same rows in the same order; a random "
+                "split, shuffle or subsample that is not seeded (or depends on the rank) is the likely cause: seed it"
+            )
+
     def _open_ledger(self, delta: float, planned: float, log_dir: str | None) -> None:
-        """Open the ledger, continuing this run's newest ledger file if it counted steps the checkpoint missed."""
+        """Open the ledger on the weights' privacy history (rank 0's), calibrate σ, and open this run's segment.
+
+        A resumed run also counts the steps this run's newest ledger file took after the checkpoint.
+        """
         directory = log_dir if self.is_global_zero else None
         self._ledger.open(delta=delta, mechanism=self._mechanism, directory=directory)
-        if self._resumed_from is not None:
-            folders = ledger_folders(self._resumed_from, log_dir)
-            adopted = self._ledger.adopt_newest_record(folders) if self.is_global_zero else None
-            history = self.broadcast(self._ledger.accountant.state_dict()["history"])
-            self._ledger.accountant.load_state_dict({**self._ledger.accountant.state_dict(), "history": history})
-            if adopted is not None:
-                rank_zero_warn(adopted, category=PrivacyWarning)
+        history = self.privacy_history
+        if self._resumed_from is not None and self.is_global_zero:
+            self._count_steps_after_checkpoint(log_dir)
+        history.load_state_dict(self.broadcast(history.state_dict()))  # rank 0's weights were broadcast: its history
+        accountant = self._ledger.accountant
+        accountant.load_state_dict({**accountant.state_dict(), "history": history.accountant_history()})
         steps = int(planned) if math.isfinite(planned) else None
         check_accountable(
             mechanism=self._mechanism, sample_rate=self._sample_rate, steps=steps, delta=delta,
@@ -246,15 +290,57 @@ class DPStrategy(DDPStrategy):
         if self._target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
             restored = self._ledger.restored_noise_multiplier
             self._noise_multiplier = restored if restored is not None else self._calibrate(delta, planned)
+        self._announce_history(resumed=self._resumed_from is not None)
+        history.open_dp_segment(run_id=self._ledger.run_id, facts=self._segment_facts())
+
+    def _count_steps_after_checkpoint(self, log_dir: str | None) -> None:
+        """Add to the history the DP steps this run's ledger file took after the resumed checkpoint (rank 0)."""
+        assert self._resumed_from is not None
+        found = self._ledger.steps_after_checkpoint(ledger_folders(self._resumed_from, log_dir))
+        if found is None:
+            return
+        extra, message = found
+        note = "steps taken after the resumed checkpoint: their model was discarded, but they touched the data"
+        facts = {**self._segment_facts(), "noise": "unknown", "noise_secure": True}
+        self.privacy_history.record_dp_steps(extra, run_id=self._ledger.run_id, facts=facts, note=note)
+        rank_zero_warn(message, category=PrivacyWarning)
+
+    def _announce_history(self, *, resumed: bool) -> None:
+        """Say in one line that this run continues the weights' privacy history, and warn if they are not DP."""
+        history, accountant = self.privacy_history, self._ledger.accountant
+        assert accountant is not None
+        if history.dp_steps:
+            bound = ", and DPStrategy.target_epsilon bounds the total" if self._target_epsilon is not None else ""
+            origin = "a resumed checkpoint" if resumed else "earlier training"
+            rank_zero_info(
+                f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={accountant.epsilon():.4g} "
+                f"at δ={accountant.delta:.3g}): this run continues their privacy history{bound}"
+            )
+        reason = history.reason_not_private()
+        if reason is not None:
+            rank_zero_warn(
+                f"DP-SGD: these weights are NOT differentially private, whatever this run does: {reason} (this run's "
+                "steps are still accounted)",
+                category=PrivacyWarning,
+            )
 
     def _calibrate(self, delta: float, planned: float) -> float:
         if not math.isfinite(planned):
             raise ValueError("DPStrategy.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
-        assert self._target_epsilon is not None and self._sample_rate is not None
-        target, rate = self._target_epsilon, self._sample_rate
+        assert self._target_epsilon is not None and self._sample_rate is not None and self._ledger.accountant
+        target, rate, prior = self._target_epsilon, self._sample_rate, self.privacy_history.accountant_history()
+        spent = self._ledger.accountant.epsilon()
+        if prior and spent >= target:
+            raise ValueError(
+                f"DPStrategy.target_epsilon={target:g} is already spent: these weights' privacy history counts "
+                f"{self.privacy_history.dp_steps} DP steps at ε={spent:.4g}; raise target_epsilon (it bounds the "
+                "weights' total) or start from weights that never saw the data"
+            )
+        planned_here = int(planned) - self.lightning_module.trainer.global_step
         return calibrate_noise_multiplier(
-            target_epsilon=target, delta=delta, sample_rate=rate, steps=int(planned), mechanism=self._mechanism
-        )
+            target_epsilon=target, delta=delta, sample_rate=rate, steps=max(1, planned_here),
+            mechanism=self._mechanism, prior=prior,
+        )  # fmt: skip
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -275,6 +361,8 @@ class DPStrategy(DDPStrategy):
         self._state_guard.check()  # before any noise or step: nothing written from private data is released
         if not losses:
             return torch.zeros((), device=self.root_device)
+        if not self._private_diagnostics:
+            return torch.cat(losses).float().mean()
         return _log_clipping(module, torch.cat(losses), torch.cat(norms), self._max_grad_norm)
 
     def _check_engine(self, module: LightningModule, batch: Batch) -> None:
@@ -323,6 +411,7 @@ class DPStrategy(DDPStrategy):
         stop = bool(self._buffer.extra[0] > 0)  # rank 0's decision, so every rank stops after the same step
         self._buffer.publish(self.expected_batch_size)
         accountant.step(noise_multiplier=self._noise_multiplier, sample_rate=self._sample_rate)
+        self.privacy_history.record_dp_step(noise_multiplier=self._noise_multiplier, sample_rate=self._sample_rate)
         self._log_privacy(epsilon)
         self._next_epsilon = following
         if stop:
@@ -370,6 +459,7 @@ class DPStrategy(DDPStrategy):
 
     def _privacy_facts(self) -> dict[str, Any]:
         """What the ledger records beside the accountant's history (never a seed)."""
+        reason = self.privacy_history.reason_not_private()
         return {
             "noise_multiplier": self._noise_multiplier,
             "max_grad_norm": self._max_grad_norm,
@@ -380,6 +470,22 @@ class DPStrategy(DDPStrategy):
             "sampling": "poisson",
             "clipping": self._clipping,
             "tied_norm": self._tied_norm,
+            "noise": self._noise_source.describe(),
+            "noise_secure": self._noise_source.secure and self.privacy_history.noise_secure,
+            "differentially_private": reason is None and bool(self._noise_multiplier),
+            "reason_not_private": reason,
+            "privacy_history": self.privacy_history.state_dict(),
+        }
+
+    def _segment_facts(self) -> dict[str, Any]:
+        """This run's public parameters, as its segment of the weights' privacy history records them."""
+        accountant = self._ledger.accountant
+        assert accountant is not None
+        return {
+            "max_grad_norm": self._max_grad_norm,
+            "dataset_size": self._dataset_size,
+            "delta": accountant.delta,
+            "mechanism": self._mechanism,
             "noise": self._noise_source.describe(),
             "noise_secure": self._noise_source.secure,
         }

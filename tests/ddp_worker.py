@@ -64,11 +64,14 @@ def collate(items: list[tuple[Tensor, int, int]]) -> dict[str, Tensor]:
 
 
 class IndexedTokenData(L.LightningDataModule):
-    """64 training and 32 validation random-token examples; ``batch_size`` 16 (the global logical batch)."""
+    """64 training and 32 validation random-token examples; ``batch_size`` 16 (the global logical batch).
 
-    def __init__(self) -> None:
+    ``train_seed`` draws the training rows (a rank-dependent seed stands for an unseeded random split).
+    """
+
+    def __init__(self, train_seed: int = 0) -> None:
         super().__init__()
-        self.train_set, self.val_set = IndexedTokens(TRAIN_SIZE, seed=0), IndexedTokens(32, seed=1)
+        self.train_set, self.val_set = IndexedTokens(TRAIN_SIZE, seed=train_seed), IndexedTokens(32, seed=1)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_set, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collate)
@@ -159,7 +162,14 @@ def run(scenario: dict[str, Any], out: Path, counter: CollectiveCounter) -> None
         log_every_n_steps=1,
     )
     resume = scenario.get("resume")
-    trainer.fit(model, IndexedTokenData(), ckpt_path=str(out / resume / "ckpt" / "last.ckpt") if resume else None)
+    data = IndexedTokenData(train_seed=rank if scenario.get("rows_differ_by_rank") else 0)
+    try:
+        trainer.fit(model, data, ckpt_path=str(out / resume / "ckpt" / "last.ckpt") if resume else None)
+    except ValueError as error:
+        if not scenario.get("expect_error"):
+            raise
+        torch.save({"error": str(error), "steps": trainer.global_step}, out / f"{name}.rank{rank}.pt")
+        return
     metrics = {key: value.item() for key, value in trainer.callback_metrics.items()}
     torch.save(
         {

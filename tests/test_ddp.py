@@ -59,6 +59,7 @@ SCENARIOS: list[dict[str, Any]] = [
     {"name": "noisy_tied_ghost", "policy": "tied", "clipping": "ghost", "noise_multiplier": 1.0, "max_steps": 4},
     {"name": "target", "noise_multiplier": None, "target_epsilon": 2.0, "max_steps": 3, "checkpoints": True},
     {"name": "target_resumed", "noise_multiplier": None, "target_epsilon": 2.0, "max_steps": 6, "resume": "target"},
+    {"name": "rows_differ", "noise_multiplier": 1.0, "max_steps": 2, "rows_differ_by_rank": True, "expect_error": True},
 ]
 BY_NAME = {scenario["name"]: scenario for scenario in SCENARIOS}
 
@@ -226,7 +227,7 @@ def test_initial_parameters_are_rank_0s_on_every_rank(runs: Callable[[str], Rank
         assert_identical(rank["at_train_start"], ranks[0]["initial"])
 
 
-@pytest.mark.parametrize("name", [scenario["name"] for scenario in SCENARIOS])
+@pytest.mark.parametrize("name", [scenario["name"] for scenario in SCENARIOS if not scenario.get("expect_error")])
 def test_one_all_reduce_per_step_and_no_ddp_wrapper(runs: Callable[[str], Ranks], name: str) -> None:
     for rank in runs(name):
         assert rank["wrapped"] == "GPT2Classifier" and rank["world_size"] == 2
@@ -369,3 +370,10 @@ def test_audit_canaries_are_added_once_and_scored_alike_on_every_rank(runs: Call
         assert torch.allclose(added, expected, atol=1e-12, rtol=0)
     released = sum(flat(grads)[coordinates] for grads in canary_ranks[0]["grads"]) * BATCH_SIZE
     assert torch.allclose(canaries["scores"], released, atol=1e-12, rtol=0)
+
+
+def test_ranks_whose_training_rows_differ_are_refused_before_any_step(runs: Callable[[str], Ranks]) -> None:
+    ranks = runs("rows_differ")
+    for rank in ranks:  # an unseeded split: each rank drew other rows; both refuse, neither steps
+        assert "the training rows differ between data-parallel ranks" in rank["error"] and rank["steps"] == 0
+        assert "\n" not in rank["error"]

@@ -266,3 +266,17 @@ def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", GUARANTEE_FILE} <= {
         path.name for path in (tmp_path / "out").iterdir()
     }
+
+
+def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(tmp_path: Path) -> None:
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "named", data_description="support tickets, 2024")
+    named = json.loads((tmp_path / "named" / GUARANTEE_FILE).read_text())
+    assert named["data_source"] == "support tickets, 2024"
+    checkpoint = torch.load(checkpoint_of(tmp_path), map_location="cpu", weights_only=True)
+    from dplit.release.guarantee import data_source, public_name
+
+    assert data_source({"train_file": str(tmp_path / "private" / "notes.jsonl")}) == "file notes.jsonl"
+    assert data_source({"task": "sst2", "data_dir": str(tmp_path / "glue" / "SST-2")}) == "GLUE sst2: local SST-2/train.tsv"
+    assert public_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B" and public_name("/home/ana/models/gpt2") == "gpt2"
+    assert checkpoint["hyper_parameters"] is not None
