@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,9 @@ from dplit.privacy.history import (
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
+from dplit.privacy.relations import epsilon_under
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
+from tests.executable import dplit_executable, user_environment
 from tests.test_cli import quickstart_args, steps
 from tests.test_strategy import fit, make_model
 from tests.tiny import RandomTokenData
@@ -56,10 +59,13 @@ def non_private_fit(tmp_path: Path, model: Any, max_steps: int) -> L.Trainer:
 # --- §1: a second fit continues the weights' ε ------------------------------------------------------------------
 
 
-def test_a_second_fit_on_the_same_module_continues_its_epsilon(tmp_path: Path) -> None:
+def test_a_second_fit_on_the_same_module_continues_its_epsilon(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = make_model()
     fit(tmp_path / "a", model, max_steps=4, noise_multiplier=1.0, seed=None)
-    trainer, strategy = fit(tmp_path / "b", model, max_steps=4, noise_multiplier=1.0, seed=None)
+    with caplog.at_level("INFO"):
+        trainer, strategy = fit(tmp_path / "b", model, max_steps=4, noise_multiplier=1.0, seed=None)
+    said = [record.getMessage() for record in caplog.records if "continues their privacy history" in record.getMessage()]
+    assert len(said) == 1 and "already took 4 DP steps (earlier training" in said[0]
     expected = epsilon_of([(1.0, Q, 8)])
     assert strategy.accountant is not None and strategy.accountant.steps == 8
     assert strategy.accountant.epsilon() == pytest.approx(expected, rel=1e-9)
@@ -148,7 +154,18 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     guarantee = json.loads((tmp_path / "export2" / GUARANTEE_FILE).read_text())
     assert guarantee["steps"] == 5 and guarantee["segments"] == 2
     assert guarantee["epsilon"] == pytest.approx(epsilon_of([(1.0, 0.1, 5)], size=200), rel=1e-9)
+    replace_one = epsilon_under("replace_one", [(1.0, 0.1, 5)], delta=guarantee["delta"])
+    assert guarantee["epsilon_replace_one"] == pytest.approx(replace_one) and replace_one > guarantee["epsilon"]
     assert str(tmp_path) not in json.dumps(guarantee)  # the card names base names, never the user's folders
+    spent = [*quickstart_args(tmp_path / "third", *steps(2), *built[:2]), "--model.pretrained", str(tmp_path / "export2")]
+    spent += ["--trainer.strategy.init_args.target_epsilon", "0.2"]  # the export's 5 steps already spent more
+    result = subprocess.run(
+        [dplit_executable(), "fit", *spent], capture_output=True, text=True, env=user_environment(), timeout=600, check=False
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
+    assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in errors[0]
+    assert not list((tmp_path / "third").rglob("*.ckpt"))
 
 
 def test_an_old_checkpoint_gets_the_history_its_ledger_implies() -> None:
