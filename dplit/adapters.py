@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from dplit.embeddings import embedding_pair
+from dplit.embeddings import embedding_pair, is_tied
 
 try:
     from peft import PeftConfig
@@ -79,18 +79,86 @@ def apply_adapters(model: PreTrainedModel, config: Any, *, train_embeddings: boo
             beside the adapters.
 
     Raises:
-        ValueError: naming ``model.peft`` when peft is missing, ``config`` is not a peft adapter config, or its
-            ``target_modules`` match no module of the model.
+        ValueError: naming ``model.peft`` when peft is missing, ``config`` is not a peft adapter config, its
+            ``target_modules`` match no module of the model, it sets an option dplit cannot train
+            (:data:`UNTRAINABLE_OPTIONS`), or a ``modules_to_save`` copy of an embedding would not be trained as
+            asked (see :func:`check_saved_copies`).
     """
     config = adapter_config(config)
+    refuse_untrainable_options(config)
     from peft import inject_adapter_in_model
     from peft.utils.error import NoMatchingPeftModuleError
 
+    tied, saved = is_tied(model), list(getattr(config, "modules_to_save", None) or [])  # peft edits the list
     try:
         inject_adapter_in_model(config, model)
     except (NoMatchingPeftModuleError, ValueError) as error:
         raise ValueError(f"model.peft: {' '.join(str(error).split())}") from error
+    tying = tied and bool(getattr(config, "ensure_weight_tying", False))
+    check_saved_copies(model, saved, tying=tying, train_embeddings=train_embeddings)
     set_embeddings_trainable(model, train_embeddings)
+
+
+UNTRAINABLE_OPTIONS = {
+    "trainable_token_indices": (
+        "peft's trainable tokens",
+        "it swaps the embedding for a layer whose trainable_tokens_delta rows no dplit clipping rule covers; train "
+        "the whole embedding with model.train_embeddings: true instead",
+    ),
+    "alora_invocation_tokens": (
+        "activated LoRA",
+        "the adapter acts only after the invocation tokens, whose offsets peft's own model wrapper computes per "
+        "batch and dplit's injected adapters never receive; use plain LoRA (drop alora_invocation_tokens)",
+    ),
+}
+"""peft options dplit cannot train under DP: option → (what peft calls it, why dplit refuses it)."""
+
+
+def refuse_untrainable_options(config: Any) -> None:
+    """Refuse, before anything is injected, a peft option that :data:`UNTRAINABLE_OPTIONS` names, with its cause."""
+    for option, (name, cause) in UNTRAINABLE_OPTIONS.items():
+        if getattr(config, option, None):
+            raise ValueError(f"model.peft: {option} ({name}) is not supported: {cause}")
+
+
+def check_saved_copies(
+    model: PreTrainedModel, modules_to_save: list[str], *, tying: bool, train_embeddings: bool
+) -> None:
+    """Refuse a ``modules_to_save`` copy of the input embedding or LM head that dplit would not train as asked.
+
+    Args:
+        model: the causal LM, adapters injected.
+        modules_to_save: the peft config's ``modules_to_save`` as the user gave it.
+        tying: whether peft was asked to keep a tied embedding tied (``ensure_weight_tying`` on a tied model).
+        train_embeddings: whether the embeddings (and so such copies) are trained.
+
+    Raises:
+        ValueError: naming ``model.peft`` for a copy peft ties across the embedding and the LM head
+            (``ensure_weight_tying``), and naming ``model.train_embeddings`` too for a copy it would freeze.
+    """
+    from peft.utils.other import ModulesToSaveWrapper
+
+    copied = [
+        name for name, module in (("input embedding", model.get_input_embeddings()),
+                                  ("LM head", model.get_output_embeddings()))
+        if isinstance(module, ModulesToSaveWrapper)
+    ]  # fmt: skip
+    if not copied:
+        return
+    saved = f"modules_to_save={modules_to_save!r}"
+    if tying:
+        raise ValueError(
+            f"model.peft: {saved} with ensure_weight_tying=True makes peft train one copy of the tied embedding "
+            "matrix inside two wrappers, which dplit's clipping does not cover; to train the tied embedding, drop "
+            "the embedding and LM head from modules_to_save and set model.train_embeddings: true (dplit clips the "
+            "tied matrix exactly)"
+        )
+    if not train_embeddings:
+        raise ValueError(
+            f"model.peft: {saved} asks peft to train a copy of the {' and '.join(copied)}, but "
+            "model.train_embeddings is false (its default beside adapters), which would freeze that copy: set "
+            "model.train_embeddings: true to train it, or drop it from modules_to_save"
+        )
 
 
 def adapter_config(config: Any) -> Any:

@@ -294,3 +294,49 @@ def test_empty_poisson_batches_still_take_noisy_steps_with_adapters(tmp_path: Pa
     batches = RandomTokenData(size=64, batch_size=1)  # q = 1/64: most batches are empty
     _, strategy = fit(tmp_path, gpt2_lora_classifier(False), max_steps=3, data=batches, noise_multiplier=1.0)
     assert strategy.accountant.steps == 3
+
+
+def gpt2_lora(**options: Any) -> LoraConfig:
+    """Rank-4 LoRA on GPT-2's attention projection, plus ``options``."""
+    return LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, **options)
+
+
+@pytest.mark.parametrize("train_embeddings", [True, False], ids=["embeddings-trained", "embeddings-frozen"])
+def test_a_weight_tied_modules_to_save_copy_is_refused_in_one_line(train_embeddings: bool) -> None:
+    peft = gpt2_lora(modules_to_save=["lm_head"], ensure_weight_tying=True)
+    with pytest.raises(ValueError, match=r"^model\.peft: modules_to_save=\['lm_head'\] with ensure_weight_tying=True .*model\.train_embeddings: true") as refusal:
+        classifier("gpt2", TiedEmbeddings(), peft, train_embeddings=train_embeddings)
+    assert "\n" not in str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "cause"),
+    [
+        ({"trainable_token_indices": [1, 2]}, r"^model\.peft: trainable_token_indices \(peft's trainable tokens\) is not supported: .*trainable_tokens_delta"),
+        ({"alora_invocation_tokens": [1, 2]}, r"^model\.peft: alora_invocation_tokens \(activated LoRA\) is not supported: .*invocation"),
+    ],
+    ids=["trainable-tokens", "alora"],
+)  # fmt: skip
+@pytest.mark.parametrize("policy", POLICIES, ids=["tied", "untied"])
+def test_peft_options_dplit_cannot_train_are_refused_naming_their_real_cause(
+    options: dict[str, Any], cause: str, policy: EmbeddingPolicy
+) -> None:
+    with pytest.raises(ValueError, match=cause):
+        classifier("gpt2", policy, gpt2_lora(**options), train_embeddings=True)
+
+
+@pytest.mark.parametrize("module", ["lm_head", "wte"])
+@pytest.mark.parametrize("policy", POLICIES, ids=["tied", "untied"])
+@pytest.mark.parametrize("train_embeddings", [False, None], ids=["false", "default"])
+def test_modules_to_save_on_an_embedding_beside_frozen_embeddings_is_refused_naming_both(
+    module: str, policy: EmbeddingPolicy, train_embeddings: bool | None
+) -> None:
+    with pytest.raises(ValueError, match=rf"^model\.peft: modules_to_save=\['{module}'\] .* model\.train_embeddings is false"):
+        classifier("gpt2", policy, gpt2_lora(modules_to_save=[module]), train_embeddings=train_embeddings)
+
+
+def test_modules_to_save_on_the_lm_head_trains_its_copy_beside_trained_embeddings() -> None:
+    model = classifier("gpt2", UntiedEmbeddings(), gpt2_lora(modules_to_save=["lm_head"]), train_embeddings=True)
+    head = model.backbone.lm_head
+    assert head.modules_to_save["default"].weight.requires_grad and not head.original_module.weight.requires_grad
+    check(model, model.per_example_loss, padded_batch([5, 1, 9, 3], "right"), clip=0.5, side="right")
