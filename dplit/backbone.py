@@ -53,12 +53,39 @@ def build_causal_lm(
     if pretrained is None:
         if gguf_file is not None:
             raise ValueError("model.gguf_file needs model.pretrained: the folder holding the GGUF file")
-        return _random_model(dict(config or {}), vocab_size, dropout, attn_implementation)
+        model = _random_model(dict(config or {}), vocab_size, dropout, attn_implementation)
+        refuse_rewritten_rope(model, "model.config")
+        return model
     model = _pretrained_model(pretrained, gguf_file, dropout, attn_implementation)
+    refuse_rewritten_rope(model, f"model.pretrained={pretrained!r}")
     rows = model.get_input_embeddings().weight.shape[0]
     if vocab_size is not None and vocab_size > rows:
         raise ValueError(f"the tokenizer has {vocab_size} tokens but model.pretrained={pretrained!r} has only {rows} embeddings")
     return model
+
+
+REWRITTEN_ROPE_TYPES = ("longrope",)
+"""Rotary settings whose embedding overwrites its ``inv_freq`` buffer in place in every forward (transformers'
+``dynamic_rope_update``: longrope picks the short or long factors by the batch's length). ``dynamic`` rewrites
+it only past ``max_position_embeddings``, which ``data.max_length`` may not exceed."""
+
+
+def refuse_rewritten_rope(model: PreTrainedModel, flag: str) -> None:
+    """Refuse, at construction, a rotary embedding that :data:`REWRITTEN_ROPE_TYPES` names (before any DP step).
+
+    Raises:
+        ValueError: naming ``flag``, the rope type and the module.
+    """
+    for name, module in model.named_modules():
+        rope_type = getattr(module, "rope_type", None)
+        types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]  # per layer type (Gemma-style)
+        found = next((kind for kind in types if kind in REWRITTEN_ROPE_TYPES), None)
+        if found is not None:
+            raise ValueError(
+                f"{flag}: rope type {found!r} (backbone.{name}) rewrites its rotary frequencies (inv_freq) in place "
+                "in every forward, chosen by the batch's length, so private data would change the model's state with "
+                "no noise and DP-SGD cannot train it; use a model without this rope_scaling"
+            )
 
 
 def _random_model(

@@ -148,3 +148,18 @@ def test_untied_copy_and_tied_policy_on_any_family() -> None:
     with pytest.warns(UserWarning, match="pretrained LM head weights are discarded"):
         TiedEmbeddings().apply(backbone)
     assert is_tied(backbone) and backbone.config.tie_word_embeddings
+
+
+PHI3 = {
+    "model_type": "phi3", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": 0,
+}  # fmt: skip
+LONGROPE = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}  # head size 8: 4 frequencies
+
+
+def test_a_longrope_backbone_is_refused_at_construction_naming_the_rope_type() -> None:
+    config = {**PHI3, "rope_scaling": LONGROPE, "original_max_position_embeddings": 32}
+    with pytest.raises(ValueError, match=r"^model\.config: rope type 'longrope' \(backbone\.model\.rotary_emb\) rewrites .*inv_freq"):
+        CausalLMClassifier(config=config, vocab_size=VOCAB, label_word_ids=LABEL_WORDS)
+    plain = CausalLMClassifier(config=PHI3, vocab_size=VOCAB, label_word_ids=LABEL_WORDS)  # Phi-3 without longrope
+    assert plain.backbone.config.model_type == "phi3"
