@@ -17,6 +17,7 @@ from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_c
 from dplit.backbone import build_causal_lm
 from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
+from dplit.privacy.integrity import record_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
@@ -125,9 +126,12 @@ class CausalLMModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the weights' privacy history, the classes, embedding policy and dplit commit (all ``dplit export`` needs)."""
+        """Record the weights' privacy history, the classes, embedding policy and dplit commit (all ``dplit export``
+        needs), and seal the weights and the history with a digest (checked on resume and export)."""
         checkpoint[RELEASE_KEY] = release_record(self, getattr(self._trainer, "datamodule", None))
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
+        record_digest(checkpoint, "state_dict")
+        record_digest(checkpoint, HISTORY_KEY)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dplit.privacy.engine import Batch, ClippingEngine, trainable_parameters
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY, RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
@@ -296,7 +297,16 @@ class DPStrategy(DDPStrategy):
     def _count_steps_after_checkpoint(self, log_dir: str | None) -> None:
         """Add to the history the DP steps this run's ledger file took after the resumed checkpoint (rank 0)."""
         assert self._resumed_from is not None
-        found = self._ledger.steps_after_checkpoint(ledger_folders(self._resumed_from, log_dir))
+        folders = ledger_folders(self._resumed_from, log_dir)
+        if not self._ledger.has_record(folders):
+            rank_zero_warn(
+                f"DP-SGD: {self._resumed_from} belongs to run {self._ledger.run_id}, whose privacy_ledger.json is not "
+                "beside it (was the checkpoint copied or moved?): steps that run took after this checkpoint, if any, "
+                "cannot be counted, so ε covers only the history the checkpoint carries; resume it in its run folder",
+                category=PrivacyWarning,
+            )
+            return
+        found = self._ledger.steps_after_checkpoint(folders)
         if found is None:
             return
         extra, message = found
@@ -511,12 +521,15 @@ class DPStrategy(DDPStrategy):
         """Save the checkpoint with the privacy ledger inside."""
         if self._ledger.accountant is not None:
             checkpoint[CHECKPOINT_KEY] = self._ledger.state(self._privacy_facts())
+            record_digest(checkpoint, CHECKPOINT_KEY)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load a checkpoint and keep its privacy ledger, so a resumed run continues its ε."""
+        """Load a checkpoint (refusing one whose weights, history or ledger changed since dplit wrote it) and keep its
+        privacy ledger, so a resumed run continues its ε."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        check_digests(checkpoint, source=f"--ckpt_path {checkpoint_path}")
         if CHECKPOINT_KEY in checkpoint:
             self._ledger.restore(checkpoint[CHECKPOINT_KEY])
             self._resumed_from = Path(checkpoint_path)

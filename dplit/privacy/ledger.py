@@ -103,8 +103,7 @@ class RunLedger:
         and a line saying what was found, or ``None``.
         """
         assert self.accountant is not None
-        records = [record for record in (_read_record(folder / LEDGER_FILE) for folder in folders) if record]
-        records = [(path, state) for path, state in records if state.get("run_id") == self.run_id]
+        records = self._records(folders)
         if not records:
             return None
         path, state = max(records, key=lambda record: record[0].stat().st_mtime)
@@ -118,6 +117,14 @@ class RunLedger:
             f"the data and stay counted (ε continues from {recorded} steps)"
         )
         return extra, message
+
+    def has_record(self, folders: Iterable[Path]) -> bool:
+        """Whether any of ``folders`` holds a ``privacy_ledger.json`` of this run (its ``run_id``)."""
+        return bool(self._records(folders))
+
+    def _records(self, folders: Iterable[Path]) -> list[tuple[Path, dict[str, Any]]]:
+        records = [record for record in (_read_record(folder / LEDGER_FILE) for folder in folders) if record]
+        return [(path, state) for path, state in records if state.get("run_id") == self.run_id]
 
     def write(self, facts: dict[str, Any], *, epsilon: float) -> None:
         """Replace the ledger file with the current state and ε (no-op without a directory)."""

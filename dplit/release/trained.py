@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dplit.embeddings import EmbeddingPolicy
 from dplit.module import CausalLMModule
+from dplit.privacy.integrity import check_digests
 from dplit.release.guarantee import guarantee_of
 from dplit.release.provenance import RELEASE_KEY
 
@@ -74,6 +75,7 @@ def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
         raise ValueError(f"{flag} {path}: not a dplit checkpoint ({first})") from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{flag} {path}: not a Lightning checkpoint (no state_dict)")
+    check_digests(checkpoint, source=f"{flag} {path}")
     hparams = checkpoint.get("hyper_parameters") or {}
     if "lr" not in hparams or not any(str(key).startswith("backbone.") for key in checkpoint["state_dict"]):
         raise ValueError(f"{flag} {path}: not a dplit checkpoint (no dplit model hyperparameters or backbone weights)")
