@@ -269,6 +269,8 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("jsonl-not-utf8", lm_files("train.jsonl", b'{"text": "fine"}\n{"text": "also fine"}\n{"text": "b\xe9te"}\n'), r"train.jsonl, line 3: not UTF-8 text \(at column 12\)$"),
     ("jsonl-line-not-json", lm_files("train.jsonl", '{"text": "fine"}\n{"text": fine}\n'), r"train.jsonl, line 2: not valid JSON \(Expecting value at column 10\)$"),
     ("jsonl-only-blank-lines", lm_files("train.jsonl", "\n  \n\n"), r"train\.jsonl: no examples \(only blank lines\)$"),
+    ("csv-unclosed-quote", lm_files("train.csv", 'text\nfine\n"an unclosed quote\n' + "another row\n" * 70), r"train\.csv, line 3: the quote that opens a field on this line is never closed \(the field runs on to line 73"),
+    ("tsv-empty-sentence", sst2_row(GOOD_TSV + " \t1\n"), r"train\.tsv, line 5: empty sentence \(nothing to classify\)$"),
     ("train-file-is-a-directory", lm_files("train.jsonl", '{"text": "fine"}\n', "--data.train_file", "{scratch}"), r"^data.train_file='.*': is a directory, expected a .jsonl/.json/.csv/.txt file$"),
     ("lm-hub-dataset-offline", lm_hub_dataset("someuser/private-notes"), r"^data\.dataset='someuser/private-notes' could not be loaded from the Hugging Face hub \(offline, or no such dataset\)"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
@@ -278,6 +280,9 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("lora-on-an-embedding", flags("--model.peft", lora_on("wte")), r"^trainable parameter 'backbone\.transformer\.wte\.lora_embedding_A\.default' .*peft\.tuners\.lora\.layer\.Embedding.*target_modules"),
     ("peft-method-no-rule-covers", flags("--model.peft", '{"class_path": "peft.IA3Config", "init_args": {"target_modules": ["c_attn"], "feedforward_modules": []}}'), r"^trainable parameter '.*c_attn\.ia3_l\.default' .*peft\.tuners\.ia3\.layer\.Linear"),
     ("peft-prompt-learning", flags("--model.peft", '{"class_path": "peft.PrefixTuningConfig", "init_args": {"num_virtual_tokens": 4}}'), r"^model\.peft: PrefixTuningConfig is a prompt-learning method"),
+    ("peft-weight-tied-copy", flags("--model.embeddings", "dplit.embeddings.TiedEmbeddings", "--model.train_embeddings", "true", "--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "modules_to_save": ["lm_head"], "ensure_weight_tying": true}}'), r"^model\.peft: modules_to_save=\['lm_head'\] with ensure_weight_tying=True .* model\.train_embeddings: true"),
+    ("peft-copy-beside-frozen-embeddings", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "modules_to_save": ["lm_head"]}}'), r"^model\.peft: modules_to_save=\['lm_head'\] asks peft to train a copy of the LM head, but model\.train_embeddings is false"),
+    ("peft-trainable-tokens", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "trainable_token_indices": [1, 2]}}'), r"^model\.peft: trainable_token_indices \(peft's trainable tokens\) is not supported"),
     ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
     # the privacy audit: dplit audit and dplit lm audit

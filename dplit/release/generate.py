@@ -170,7 +170,7 @@ def check_token_budget(
             has positions (no room for one new token).
     """
     limit = position_limit(backbone)
-    if limit is None:
+    if limit is None or not prompts:
         return
     lengths = [len(tokenizer.encode(prompt.text)) for prompt in prompts]
     for prompt, length in zip(prompts, lengths):
