@@ -49,7 +49,8 @@ def no_launcher(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """An environment no launcher started, holding what Lightning's in-process fit leaves behind."""
     for name in (*LAUNCH_VARIABLES, *LAUNCHERS):
         monkeypatch.delenv(name, raising=False)
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "LOCAL_RANK": "0", "NODE_RANK": "0"}.items():
+    leftovers = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29511", "LOCAL_RANK": "0", "NODE_RANK": "0"}
+    for name, value in leftovers.items():
         monkeypatch.setenv(name, value)
     return monkeypatch
 
