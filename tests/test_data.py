@@ -366,6 +366,22 @@ def test_tsv_blank_lines_between_rows_are_skipped(tmp_path: Path) -> None:
     assert read_glue_tsv(path, SST2, limit=2).labels == ["1", "0"]
 
 
+@pytest.mark.parametrize("sentence", ["", "   "], ids=["empty", "spaces"])
+def test_sst2_row_without_a_sentence_is_refused_naming_its_line(sentence: str, tmp_path: Path) -> None:
+    path = write_tsv(tmp_path, "train.tsv", SST2_HEADER, [*SST2_ROWS, f"{sentence}\t1", SST2_ROWS[0]])
+    with pytest.raises(ValueError) as error:
+        read_glue_tsv(path, SST2)
+    assert one_line(error) == f"{path}, line 5: empty sentence (nothing to classify)"
+
+
+def test_a_pair_with_one_empty_text_is_kept_as_glue_qqp_has_two(tmp_path: Path) -> None:
+    row = "7\t8\t9\tHow can I create an Android app?\t\t0"  # real QQP train rows have an empty question2
+    split = read_glue_tsv(write_tsv(tmp_path, "train.tsv", QQP_HEADER, [*QQP_ROWS, row]), QQP)
+    assert split.texts["question2"][-1] == "" and len(split) == 4
+    with pytest.raises(ValueError, match=r"line 2: empty question1 and question2 \(nothing to classify\)$"):
+        read_glue_tsv(write_tsv(tmp_path, "dev.tsv", QQP_HEADER, ["7\t8\t9\t \t\t0"]), QQP)
+
+
 def test_data_dir_that_is_not_a_task_folder_names_the_flag(tmp_path: Path, tiny_bpe_dir: Path) -> None:
     def refusal(data_dir: Path) -> str:
         with pytest.raises(ValueError) as error:
@@ -455,6 +471,27 @@ def test_bad_line_of_a_text_file_names_file_and_line(name: str, contents: str, m
     with pytest.raises(ValueError) as error:
         read_rows(path, ("text",))
     assert re.fullmatch(rf"{re.escape(str(path))}, {message}", one_line(error)), one_line(error)
+
+
+@pytest.mark.parametrize(
+    ("contents", "line", "until"),
+    [
+        ('text\nfine\n"an unclosed quote\nrow 3\nrow 4\n', 3, 5),  # one column: every later row joins it
+        ('text,label\nfine,1\n"oops,1\nrow 3,0\n"a, b",1\nlast,0\n', 3, 5),  # runs into the next quoted field
+        ('text,label\nfine,1\n"unclosed at the end,1', 3, 3),
+    ],
+    ids=["to-the-end", "into-the-next-quote", "last-line"],
+)
+def test_csv_quote_that_is_never_closed_is_refused_naming_the_line_it_opens_on(
+    contents: str, line: int, until: int, tmp_path: Path
+) -> None:
+    path = text_file(tmp_path, "t.csv", contents)
+    with pytest.raises(ValueError) as error:
+        read_rows(path, ("text",))
+    assert one_line(error).startswith(f"{path}, line {line}: the quote that opens a field on this line is never closed")
+    assert f"runs on to line {until}" in one_line(error)
+    inner = text_file(tmp_path, "inner.csv", 'text,label\nit was "good",1\n"a ""quoted"" one",0\n')
+    assert read_rows(inner, ("text",)).texts == ['it was "good"', 'a "quoted" one']  # as spreadsheets write them
 
 
 @pytest.mark.parametrize(

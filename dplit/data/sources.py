@@ -53,8 +53,8 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
     Raises:
         FileNotFoundError: when the file is missing.
         ValueError: naming the file (and the 1-based line) for a directory, text that is not UTF-8, a missing
-            column, a row with the wrong number of fields, a label outside the task's label set, or a file
-            without examples (empty, only blank lines, or a header without rows).
+            column, a row with the wrong number of fields, a label outside the task's label set, a row whose
+            texts are all empty, or a file without examples (empty, only blank lines, or a header without rows).
     """
     if path.is_dir():
         raise ValueError(f"{path}: is a directory, expected a GLUE {spec.name} TSV file")
@@ -86,6 +86,7 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
                 raise ValueError(
                     f"{path}, line {line}: the label is not one of the {spec.name} labels {sorted(spec.labels)}"
                 )
+            _check_has_text(path, line, row, positions, spec)
             labels.append(label)
             for column, values in texts.items():
                 values.append(row[positions[column]])
@@ -138,6 +139,15 @@ def _column_positions(path: Path, header: list[str], spec: TaskSpec) -> dict[str
     return {column: header.index(column) for column in header}
 
 
+def _check_has_text(path: Path, line: int, row: list[str], positions: dict[str, int], spec: TaskSpec) -> None:
+    """Refuse a row whose text columns are all empty or whitespace: it would train on the template alone.
+
+    One empty text of a pair is kept: GLUE's own QQP train.tsv has two rows with an empty ``question2``.
+    """
+    if not any(row[positions[column]].strip() for column in spec.text_columns):
+        raise ValueError(f"{path}, line {line}: empty {' and '.join(spec.text_columns)} (nothing to classify)")
+
+
 def _non_empty(split: TextSplit) -> TextSplit:
     if not len(split):
         raise ValueError(f"{split.source} has no examples (empty split)")
@@ -176,7 +186,8 @@ def csv_rows(path: Path, file: TextIO, **dialect: Any) -> Iterator[tuple[int, li
     """The rows of ``csv.reader(file, **dialect)``, each with the 1-based line it starts on.
 
     Raises:
-        ValueError: naming the file and line for a row the ``csv`` module cannot read.
+        ValueError: naming the file and line for a row the ``csv`` module cannot read (with ``strict=True``, a
+            quote left open: the line it opens on).
     """
     reader = csv.reader(file, **dialect)
     start = 1
@@ -185,7 +196,17 @@ def csv_rows(path: Path, file: TextIO, **dialect: Any) -> Iterator[tuple[int, li
             yield start, row
             start = reader.line_num + 1
     except csv.Error as error:
-        raise ValueError(f"{path}, line {reader.line_num}: not readable as CSV/TSV ({error})") from None
+        raise ValueError(_csv_error_message(path, start, reader.line_num, error)) from None
+
+
+def _csv_error_message(path: Path, start: int, line: int, error: csv.Error) -> str:
+    """Where a row the ``csv`` module refused goes wrong: a quote left open on ``start`` reads on to ``line``."""
+    if line > start or "end of data" in str(error):  # a quoted field ran past its line end, or to the file's end
+        return (
+            f"{path}, line {start}: the quote that opens a field on this line is never closed (the field runs on to "
+            f'line {line}: {error}); close it, or double each quote inside a quoted field ("")'
+        )
+    return f"{path}, line {line}: not readable as CSV/TSV ({error})"
 
 
 def is_blank(row: list[str]) -> bool:

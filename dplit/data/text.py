@@ -350,9 +350,13 @@ def _json_kind(value: Any) -> str:
 
 
 def _read_csv(path: Path, file: TextIO, column: str) -> Iterator[Record]:
-    """Rows of a CSV file after its header line, each with the same number of fields as the header."""
+    """Rows of a CSV file after its header line, each with the same number of fields as the header.
+
+    Parsed strictly: a quote left open would otherwise swallow every later row into one field (one example where
+    there are many, so N and δ would be wrong), so it is refused naming the line it opens on.
+    """
     csv.field_size_limit(max(csv.field_size_limit(), _LONGEST_CSV_FIELD))  # the default, 128 KiB, cuts documents
-    rows = ((line, row) for line, row in csv_rows(path, file) if not is_blank(row))
+    rows = ((line, row) for line, row in csv_rows(path, file, strict=True) if not is_blank(row))
     header_line, header = next(rows, (0, []))
     if not header:
         return
