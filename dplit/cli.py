@@ -7,11 +7,9 @@ import os
 import re
 import sys
 import warnings
-import zipfile
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -23,6 +21,7 @@ from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.commands import export_main, generate_main
+from dplit.release.trained import check_checkpoint_file
 from dplit.strategy import DPStrategy
 from dplit.terminal import dependency_refusal, terminal_output
 
@@ -238,20 +237,7 @@ def check_checkpoint_path(ckpt_path: str | None, *, weights_only: bool = True) -
         or ckpt_path.startswith("registry")
     ):
         return
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise ValueError(f"--ckpt_path {ckpt_path}: no such file")
-    try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else None
-    except RuntimeError:  # a zip archive that torch.save did not write
-        unsafe = None
-    if unsafe is None:
-        raise ValueError(f"--ckpt_path {ckpt_path}: not a checkpoint (not a file written by torch.save / Lightning)")
-    if unsafe and weights_only:
-        raise ValueError(
-            f"--ckpt_path {ckpt_path}: not a checkpoint dplit can load: it pickles {', '.join(unsafe)}, which "
-            "torch.load(weights_only=True) refuses to run (a Lightning checkpoint holds tensors and plain values)"
-        )
+    check_checkpoint_file(ckpt_path, flag="--ckpt_path", weights_only=weights_only)
 
 
 def run_cli(args: ArgsType = None) -> DPLitCLI:

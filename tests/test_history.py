@@ -21,9 +21,9 @@ from dplit.privacy.history import (
     inherited_segments,
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
+from dplit.privacy.relations import epsilon_under
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
-from dplit.privacy.relations import epsilon_under
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
 from tests.executable import dplit_executable, user_environment
 from tests.test_cli import quickstart_args, steps

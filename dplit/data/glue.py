@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import datasets
+from datasets.exceptions import DatasetNotFoundError
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -105,9 +106,16 @@ class GlueDataModule(LightningDataModule):
         self._datasets: dict[Split, TokenizedDataset] = {}
 
     def prepare_data(self) -> None:
-        """Download the GLUE task from the hub once (only when ``data_dir`` is ``None``)."""
+        """Download the GLUE task from the hub once (only when ``data_dir`` is ``None``), refusing in one line when the
+        hub cannot give it."""
         if self.task != "synthetic" and self.data_dir is None:
-            datasets.load_dataset(HUB_DATASET, self.task)
+            try:
+                datasets.load_dataset(HUB_DATASET, self.task)
+            except (ConnectionError, DatasetNotFoundError):
+                raise ValueError(
+                    f"data.task={self.task}: GLUE's {self.task} could not be loaded from the Hugging Face hub "
+                    f"({HUB_DATASET}; offline?): set data.data_dir to a folder with GLUE's train.tsv and dev.tsv"
+                ) from None
 
     def setup(self, stage: str | None = None) -> None:
         """Read and tokenise the splits the stage needs (each split once)."""

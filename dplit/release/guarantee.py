@@ -8,10 +8,10 @@ from typing import Any
 
 from dplit.data.sources import HUB_DATASET
 from dplit.privacy.accountant import PrivacyAccountant
-from dplit.release.provenance import RELEASE_KEY
 from dplit.privacy.history import GUARANTEE_FILE, history_in_checkpoint, segment_steps
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.relations import epsilon_under
+from dplit.release.provenance import RELEASE_KEY
 
 NEIGHBOURING_RELATION = (
     "add/remove one example (ε above); the card publishes N and q, which add/remove treats as secret, so ε under "

@@ -82,14 +82,29 @@ def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
     return checkpoint
 
 
-def check_checkpoint_file(path: str | Path, *, flag: str) -> Path:
-    """Refuse a path that is not a file written by ``torch.save`` (without reading it whole)."""
+def check_checkpoint_file(path: str | Path, *, flag: str, weights_only: bool = True) -> Path:
+    """Refuse a path that is not a file written by ``torch.save`` (without reading it whole), or one that pickles
+    objects ``torch.load(weights_only=True)`` would refuse to run (unless ``weights_only`` is ``False``)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
-    if not zipfile.is_zipfile(path):
+    unsafe = unsafe_globals(path)
+    if unsafe is None:
         raise ValueError(f"{flag} {path}: not a checkpoint (not a file written by torch.save / Lightning)")
+    if unsafe and weights_only:
+        raise ValueError(
+            f"{flag} {path}: not a checkpoint dplit can load: it pickles {', '.join(unsafe)}, which "
+            "torch.load(weights_only=True) refuses to run (a Lightning checkpoint holds tensors and plain values)"
+        )
     return path
+
+
+def unsafe_globals(path: Path) -> list[str] | None:
+    """The classes a ``torch.save`` file pickles beyond what ``weights_only`` loading allows (``None``: not such a file)."""
+    try:
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else None
+    except RuntimeError:  # a zip archive that torch.save did not write
+        return None
 
 
 def _record_from_config(
