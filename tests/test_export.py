@@ -280,3 +280,16 @@ def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
     assert data_source({"task": "sst2", "data_dir": str(tmp_path / "glue" / "SST-2")}) == "GLUE sst2: local SST-2/train.tsv"
     assert public_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B" and public_name("/home/ana/models/gpt2") == "gpt2"
     assert checkpoint["hyper_parameters"] is not None
+
+
+@pytest.mark.parametrize("config", ["missing.yaml", "lm_quickstart.yaml"])
+def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_path: Path, config: str) -> None:
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+    path = Path(__file__).parents[1] / "configs" / config
+    command = [dplit_executable(), "export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir",
+               str(tmp_path / "export"), "--config", str(path)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=user_environment(), timeout=600, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    expected = "no such file" if config == "missing.yaml" else "configures a `dplit lm fit` (text generation) run"
+    assert f"--config {path}: {expected}" in errors[0] and not (tmp_path / "export").exists()

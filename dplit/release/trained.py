@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from dplit.embeddings import EmbeddingPolicy
 from dplit.module import CausalLMModule
+from dplit.privacy.history import history_in_checkpoint
 from dplit.privacy.integrity import check_digests
 from dplit.release.guarantee import guarantee_of
 from dplit.release.provenance import RELEASE_KEY
@@ -49,9 +50,12 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
         flag: the command-line flag named in errors.
 
     Raises:
-        ValueError: in one line naming ``flag`` for a missing file or one that is not a dplit checkpoint.
+        ValueError: in one line naming ``flag`` for a missing file or one that is not a dplit checkpoint, or naming
+            ``--config`` for a config that is missing, unreadable or for the other kind of model.
     """
     checkpoint = read_checkpoint(ckpt_path, flag=flag)
+    if config is not None:
+        check_run_config(config, _kind(checkpoint["hyper_parameters"]))
     record = checkpoint.get(RELEASE_KEY) or _record_from_config(ckpt_path, config, checkpoint, flag)
     hparams = dict(checkpoint["hyper_parameters"])
     data_hparams = dict(checkpoint.get("datamodule_hyper_parameters") or {})
@@ -60,6 +64,7 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
     arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
     module = module_class(**arguments, embeddings=_policy(record["embeddings"]))
     module.load_state_dict(checkpoint["state_dict"], strict=True)
+    module.privacy_history = history_in_checkpoint(checkpoint)
     datamodule_class = _imported(record.get("datamodule") or DATAMODULES[_kind(hparams)])
     tokenizer = datamodule_class.tokenizer_for(data_hparams)
     return TrainedModel(module.eval(), tokenizer, guarantee_of(checkpoint), hparams, data_hparams)
@@ -119,15 +124,45 @@ def _record_from_config(
                 "checkpoints/ folder: give the run's config with --config"
             )
         config = beside
-    try:
-        run = yaml.safe_load(Path(config).expanduser().read_text()) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise ValueError(f"--config {config}: cannot be read as YAML ({type(error).__name__})") from None
+    run = _read_config(config)
     kind = _kind(checkpoint["hyper_parameters"])
     embeddings = (run.get("model") or {}).get("embeddings") or {"class_path": "dplit.embeddings.UntiedEmbeddings"}
     if isinstance(embeddings, str):
         embeddings = {"class_path": embeddings}
     return {"module": MODULES[kind], "datamodule": DATAMODULES[kind], "embeddings": embeddings}
+
+
+def check_run_config(config: str | Path, kind: str) -> None:
+    """Refuse a ``--config`` that does not exist, is not YAML, or configures the other kind of model than ``kind``."""
+    run = _read_config(config)
+    model, data = run.get("model") or {}, run.get("data") or {}
+    if not isinstance(model, dict) or not isinstance(data, dict):
+        raise ValueError(f"--config {config}: not a dplit run config (no model and data sections)")
+    classifier = "task" in data or "head" in model
+    text = "loss_reduction" in model or any(key in data for key in _TEXT_DATA_KEYS)
+    configured = "classifier" if classifier and not text else "lm" if text and not classifier else None
+    if configured is not None and configured != kind:
+        raise ValueError(
+            f"--config {config}: configures a {_COMMANDS[configured]} run, but the checkpoint was trained by "
+            f"{_COMMANDS[kind]}: give that run's own config (its config.yaml)"
+        )
+
+
+_TEXT_DATA_KEYS = ("train_file", "dataset", "prompt_column", "response_column", "builtin_train_size", "overlength")
+_COMMANDS = {"classifier": "`dplit fit` (classifier)", "lm": "`dplit lm fit` (text generation)"}
+
+
+def _read_config(config: str | Path) -> dict[str, Any]:
+    path = Path(config).expanduser()
+    if not path.is_file():
+        raise ValueError(f"--config {config}: no such file")
+    try:
+        run = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {config}: cannot be read as YAML ({type(error).__name__})") from None
+    if not isinstance(run, dict):
+        raise ValueError(f"--config {config}: not a dplit run config (not a YAML mapping)")
+    return run
 
 
 def _kind(hparams: dict[str, Any]) -> str:
