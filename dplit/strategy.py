@@ -231,6 +231,7 @@ class DPStrategy(DDPStrategy):
         if self._sample_rate is None or self._dataset_size is None:
             raise RuntimeError("DPStrategy did not see the training dataloader")
         trainer = self.lightning_module.trainer
+        _check_same_dataset_size(self._ledger.restored_dataset_size, self._dataset_size)
         delta = self._target_delta or default_delta(self._dataset_size)
         _check_delta(delta, self._dataset_size, allowed=self._allow_large_delta)
         planned = trainer.estimated_stepping_batches
@@ -554,6 +555,16 @@ def _check_privacy_arguments(
         raise ValueError(f"DPStrategy.target_epsilon must be a finite number > 0, got {target_epsilon}")
     if target_delta is not None and not 0 < target_delta <= DELTA_MAX:
         raise ValueError(f"DPStrategy.target_delta must be in (0, {DELTA_MAX}], got {target_delta}")
+
+
+def _check_same_dataset_size(restored: int | None, dataset_size: int) -> None:
+    """Refuse resuming a run on a training set of another size: q = B/N, δ = N^-1.1 and ε all depend on N."""
+    if restored is not None and restored != dataset_size:
+        raise ValueError(
+            f"the training set has {dataset_size} rows, but the checkpoint's run trained on {restored}: a resumed run "
+            "must train on the same rows (its sampling rate q = data.batch_size / N, its default δ = N^-1.1 and its ε "
+            "depend on N); resume with the same data, or start a new run from the exported model"
+        )
 
 
 def _check_delta(delta: float, dataset_size: int, *, allowed: bool) -> None:

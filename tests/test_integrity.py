@@ -99,3 +99,16 @@ def test_a_checkpoint_resumed_in_its_run_folder_does_not_warn(trained: Path, tmp
         warnings.simplefilter("always")
         run_cli(["fit", *resume, "--ckpt_path", str(trained)])
     assert not [warning for warning in caught if "not beside it" in str(warning.message)]
+
+
+def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(trained: Path, tmp_path: Path) -> None:
+    resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
+    resume[resume.index("--data.synthetic_train_size") + 1] = "240"
+    result = subprocess.run(
+        [dplit_executable(), "fit", *resume, "--ckpt_path", str(trained)],
+        capture_output=True, text=True, env=user_environment(), timeout=600, check=False,
+    )  # fmt: skip
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "the training set has 240 rows, but the checkpoint's run trained on 200" in errors[0]
+    assert "δ=" not in errors[0] and not list((tmp_path / "resumed").rglob("*.ckpt"))

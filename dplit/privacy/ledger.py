@@ -76,6 +76,11 @@ class RunLedger:
         return self._restored.get("noise_multiplier") if self._restored else None
 
     @property
+    def restored_dataset_size(self) -> int | None:
+        """N of the run a resumed checkpoint belongs to (``None`` for a fresh run or an old ledger)."""
+        return self._restored.get("dataset_size") if self._restored else None
+
+    @property
     def steps(self) -> int:
         """DP steps taken so far (those of the restored checkpoint before :meth:`open`)."""
         if self.accountant is not None:
