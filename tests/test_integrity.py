@@ -112,3 +112,14 @@ def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(tra
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert "the training set has 240 rows, but the checkpoint's run trained on 200" in errors[0]
     assert "δ=" not in errors[0] and not list((tmp_path / "resumed").rglob("*.ckpt"))
+
+
+def test_a_folder_given_as_ckpt_path_is_called_a_folder(tmp_path: Path) -> None:
+    for command in (["fit", *quickstart_args(tmp_path / "run", *steps(1))], ["export", "--output_dir", str(tmp_path / "out")]):
+        result = subprocess.run(
+            [dplit_executable(), *command, "--ckpt_path", str(tmp_path)],
+            capture_output=True, text=True, env=user_environment(), timeout=600, check=False,
+        )  # fmt: skip
+        errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
+        assert result.returncode == 2 and len(errors) == 1, result.stderr
+        assert f"--ckpt_path {tmp_path}: is a folder" in errors[0]

@@ -91,6 +91,8 @@ def check_checkpoint_file(path: str | Path, *, flag: str, weights_only: bool = T
     """Refuse a path that is not a file written by ``torch.save`` (without reading it whole), or one that pickles
     objects ``torch.load(weights_only=True)`` would refuse to run (unless ``weights_only`` is ``False``)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a folder; give a checkpoint file in it (e.g. checkpoints/last.ckpt)")
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
     unsafe = unsafe_globals(path)
