@@ -155,7 +155,7 @@ def exporting(checkpoint: dict | None, *extra: str, output_file: str | None = No
 
 
 def generating(
-    prompts: str, *extra: str, name: str = "prompts.jsonl", samples: str = "2", model: bool = True,
+    prompts: str | bytes, *extra: str, name: str = "prompts.jsonl", samples: str = "2", model: bool = True,
     positions: int | None = None,
 ) -> Setup:  # fmt: skip
     """``dplit lm generate`` with a prompts file holding ``prompts`` (``model=False``: the model folder is missing).
@@ -171,11 +171,21 @@ def generating(
         elif model:
             folder.mkdir()
             (folder / "config.json").write_text("{}\n")  # a config without weights: never loads
-        (scratch / name).write_text(prompts)
+        (scratch / name).write_bytes(prompts if isinstance(prompts, bytes) else prompts.encode())
         return ["lm", "generate", "--model", str(folder), "--prompts_file", str(scratch / name),
                 "--num_samples", samples, "--output_file", str(scratch / "synthetic.jsonl"), *extra]  # fmt: skip
 
     return setup
+
+
+def kept_partial(setup: Setup) -> Setup:
+    """``setup``, beside the ``synthetic.jsonl.partial`` an interrupted ``dplit lm generate`` kept."""
+
+    def with_partial(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        (scratch / "synthetic.jsonl.partial").write_text('{"prompt": "Write a review:", "sample": 0, "text": "Fine."}\n')
+        return setup(scratch, tokenizer, run)
+
+    return with_partial
 
 
 def save_tiny_gpt2(folder: Path, tokenizer: Path, positions: int) -> None:
@@ -298,8 +308,14 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("export-not-a-dplit-checkpoint", exporting({"state_dict": {"layer.weight": torch.zeros(2)}, "hyper_parameters": {"width": 2}}), r"^--ckpt_path .*run\.ckpt: not a dplit checkpoint"),
     ("export-output-dir-not-empty", exporting({"weights": torch.zeros(2)}, output_file="notes.txt"), r"^--output_dir .*out: exists and is not empty \(pass --overwrite"),
     ("export-overwrite-not-an-export", exporting({"weights": torch.zeros(2)}, "--overwrite", output_file="notes.txt"), r"^--output_dir .*out: --overwrite replaces only an earlier dplit export"),
-    ("generate-empty-prompts-file", generating("\n\n", name="prompts.txt"), r"^--prompts_file .*prompts\.txt: no prompts \(the file is empty\)$"),
-    ("generate-prompts-without-the-column", generating('{"text": "Write a review:"}\n'), r"^--prompts_file .*prompts\.jsonl line 1: no non-empty text column 'prompt' \(--prompt_column\)$"),
+    ("generate-empty-prompts-file", generating("\n\n", name="prompts.txt"), r"^--prompts_file .*prompts\.txt: no examples \(only blank lines\)$"),
+    ("generate-prompts-without-the-column", generating('{"text": "Write a review:"}\n'), r"^--prompts_file .*prompts\.jsonl: missing column\(s\) \['prompt'\]; the file has \['text'\] \(--prompt_column\)$"),
+    ("generate-empty-prompt", generating('{"prompt": "Write a review:"}\n{"prompt": " "}\n'), r"^--prompts_file .*prompts\.jsonl, line 2: empty prompt \(--prompt_column 'prompt'\)$"),
+    ("generate-prompts-not-utf8", generating(b'{"prompt": "Write a review:"}\n{"prompt": "b\xe9te"}\n'), r"^--prompts_file .*prompts\.jsonl, line 2: not UTF-8 text \(at column 14\)$"),
+    ("generate-csv-prompts-unclosed-quote", generating('prompt\n"Write a review:\nWrite a poem:\n', name="prompts.csv"), r"^--prompts_file .*prompts\.csv, line 2: the quote that opens a field on this line is never closed"),
+    ("generate-json-prompts-not-objects", generating('["Write a review:", "Write a poem:"]', name="prompts.json"), r"^--prompts_file .*prompts\.json, item 1: expected a JSON object \(one example\), found a JSON string$"),
+    ("generate-a-billion-samples", generating('{"prompt": "Write a review:"}\n{"prompt": "Write a poem:"}\n', samples="1000000000"), r"^--num_samples=1000000000: 2 prompt\(s\) × 1000000000 = 2,000,000,000 samples, above the limit of 10,000,000 per run"),
+    ("generate-over-a-kept-partial-file", kept_partial(generating('{"prompt": "Write a review:"}\n')), r"^--output_file .*synthetic\.jsonl: .*synthetic\.jsonl\.partial exists \(the samples an interrupted run kept\): move it away, or pass --overwrite"),
     ("generate-zero-samples", generating('{"prompt": "Write a review:"}\n', samples="0"), r"^--num_samples=0: must be an integer ≥ 1$"),
     ("generate-unknown-device", generating('{"prompt": "Write a review:"}\n', "--device", "gpu0"), r"^--device gpu0: not a torch device \(cpu, cuda, cuda:1, \.\.\.\)$"),
     ("generate-model-folder-without-weights", generating('{"prompt": "Write a review:"}\n'), r"^--model .*model: transformers cannot load this folder as a causal LM with its tokenizer \(ValueError\)"),

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from dplit.cli import run_lm_cli
 from dplit.release.export import export_checkpoint
-from dplit.release.generate import SamplingSettings, generate_rows, load_generator, privacy_line, read_prompts
+from dplit.release.generate import (
+    MAX_SAMPLES,
+    Interrupted,
+    SamplingSettings,
+    generate_batches,
+    generate_rows,
+    load_generator,
+    partial_file,
+    privacy_line,
+    read_prompts,
+    write_samples,
+)
 from tests.executable import dplit_executable, user_environment
 from tests.test_bad_inputs import lm_args
 from tests.test_export import checkpoint_of
@@ -91,6 +107,37 @@ def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     assert "Loading weights" not in result.stderr  # transformers' per-load bars are noise at dplit's terminal
 
 
+PROMPT_FILES = {
+    "prompts.jsonl": "".join(json.dumps(row) + "\n" for row in PROMPTS),
+    "prompts.json": json.dumps(PROMPTS, indent=1),
+    "prompts.csv": 'prompt,label\nthe movie is,1\n"this actress seems so very",0\n',
+    "prompts.txt": "the movie is\n\nthis actress seems so very\n",
+}
+"""The same two prompts in each format a training file may have (a .txt file has no labels)."""
+
+
+@pytest.mark.parametrize("name", sorted(PROMPT_FILES))
+def test_prompts_are_read_by_extension_as_training_files_are(name: str, tmp_path: Path) -> None:
+    path = tmp_path / name
+    path.write_text(PROMPT_FILES[name])
+    prompts = read_prompts(path)
+    assert [prompt.text for prompt in prompts] == [row["prompt"] for row in PROMPTS]  # no CSV header, no JSON array
+    labels = [None, None] if name.endswith(".txt") else ["1", "0"] if name.endswith(".csv") else [1, 0]
+    assert [prompt.label for prompt in prompts] == labels
+    where = {"prompts.json": ["item 1", "item 2"], "prompts.txt": ["line 1", "line 3"], "prompts.csv": ["line 2", "line 3"]}  # fmt: skip
+    assert [prompt.where for prompt in prompts] == where.get(name, ["line 1", "line 2"])
+
+
+def test_prompt_and_label_columns_are_chosen_by_flag(tmp_path: Path) -> None:
+    path = tmp_path / "prompts.csv"
+    path.write_text("id,start,sentiment\n7,the movie is,positive\n")
+    prompts = read_prompts(path, prompt_column="start", label_column="sentiment")
+    assert [(prompt.text, prompt.label) for prompt in prompts] == [("the movie is", "positive")]
+    with pytest.raises(ValueError, match=r"^--prompts_file .*prompts\.csv: missing column\(s\) \['prompt'\]; "
+                                         r"the file has \['id', 'start', 'sentiment'\] \(--prompt_column\)$"):  # fmt: skip
+        read_prompts(path)
+
+
 @pytest.mark.parametrize("name", ["prompts.jsonl", "prompts.csv", "prompts.json"])
 def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warning(
     exported_lm: tuple[Path, Path], tmp_path: Path, name: str
@@ -99,7 +146,7 @@ def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warni
     backbone, tokenizer, _ = load_generator(folder)
     limit = backbone.config.max_position_embeddings  # 32 in configs/lm_quickstart.yaml: below the default budget
     path = tmp_path / name
-    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS) if name.endswith("l") else "the movie is\n")
+    path.write_text(PROMPT_FILES[name])
     prompts = read_prompts(path)
     settings = SamplingSettings(num_samples=2, batch_size=2)
     assert settings.max_new_tokens > limit
@@ -133,3 +180,110 @@ def test_a_prompt_that_fills_the_models_positions_is_refused_naming_its_line(
     path.write_text("the movie is\n" + "the movie is very " * 20 + "\n")
     with pytest.raises(ValueError, match=r"^--prompts_file line 2: the prompt has \d+ tokens, which leaves no room"):
         generate_rows(backbone, tokenizer, read_prompts(path), SamplingSettings(max_new_tokens=1), progress=False)
+
+
+# --- generating at scale: bounded, streamed, interruptible ------------------------------------------------
+
+
+def test_samples_stream_to_a_partial_file_that_is_kept_when_drawing_stops(tmp_path: Path) -> None:
+    out = tmp_path / "synthetic.jsonl"
+    partial = partial_file(out)
+
+    def batches(stop: BaseException) -> Iterator[list[dict]]:
+        yield [{"prompt": "a", "sample": 0, "text": "x"}, {"prompt": "a", "sample": 1, "text": "y"}]
+        assert [json.loads(line)["text"] for line in partial.read_text().splitlines()] == ["x", "y"]  # on disk now
+        yield [{"prompt": "b", "sample": 0, "text": "z"}]
+        raise stop
+
+    with pytest.raises(Interrupted, match=rf"^kept the 3 samples drawn so far in {re.escape(str(partial))} "):
+        write_samples(batches(KeyboardInterrupt()), out)
+    assert [json.loads(line)["text"] for line in partial.read_text().splitlines()] == ["x", "y", "z"]
+    assert not out.exists()
+    with pytest.raises(RuntimeError, match="out of memory"), pytest.warns(UserWarning, match="kept the 3 samples"):
+        write_samples(batches(RuntimeError("out of memory")), out)
+    assert write_samples(iter([[{"text": "done"}]]), out) == (out, 1)
+    assert out.read_text() == '{"text": "done"}\n' and not partial.exists()
+
+
+def test_the_work_is_bounded_up_front_and_never_listed_whole(exported_lm: tuple[Path, Path], tmp_path: Path) -> None:
+    _, folder = exported_lm
+    backbone, tokenizer, _ = load_generator(folder)
+    prompts = read_prompts(prompts_file(tmp_path))
+    with pytest.raises(ValueError, match=r"^--num_samples=1000000000: 2 prompt\(s\) × 1000000000 = 2,000,000,000"):
+        next(generate_batches(backbone, tokenizer, prompts, SamplingSettings(num_samples=1_000_000_000)))
+    most = SamplingSettings(num_samples=MAX_SAMPLES // len(prompts), max_new_tokens=2, batch_size=2)
+    tracemalloc.start()
+    try:
+        first = next(generate_batches(backbone, tokenizer, prompts, most, progress=False))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [row["sample"] for row in first] == [0, 1] and peak < 50 * 2**20  # a list of 10⁷ jobs takes ~1 GB
+
+
+def interrupted(command: list[str], started: Callable[[], bool], **variables: str) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (with these environment ``variables``), send it Ctrl-C (SIGINT) once ``started()``, and
+    return how it ended (stdout and stderr together)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**user_environment(), **variables})  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not started() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(command, process.returncode, output)
+
+
+def test_ctrl_c_while_generating_keeps_the_samples_drawn_in_one_line(
+    exported_lm: tuple[Path, Path], tmp_path: Path
+) -> None:
+    _, folder = exported_lm
+    out = tmp_path / "synthetic.jsonl"
+    partial = partial_file(out)
+    command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(prompts_file(tmp_path)),
+               "--num_samples", "1000000", "--output_file", str(out), "--max_new_tokens", "2", "--batch_size", "2",
+               "--device", "cpu", "--no_progress"]  # fmt: skip
+    result = interrupted(command, lambda: partial.is_file() and partial.stat().st_size > 0)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 130 and "Traceback" not in result.stdout, result.stdout
+    rows = [json.loads(line) for line in partial.read_text().splitlines()]  # whole rows only
+    kept = f"kept the {len(rows)} samples drawn so far in {partial} (JSON lines; {out} was not written)"
+    assert lines[-1] == f"dplit: interrupted: {kept}"
+    assert [line for line in lines if "interrupted" in line] == lines[-1:] and rows and not out.exists()
+    assert rows[0] == {"prompt": PROMPTS[0]["prompt"], "label": 1, "sample": 0, "text": rows[0]["text"]}
+    refused = subprocess.run(command, capture_output=True, text=True, env=user_environment(), check=False)
+    assert refused.returncode == 2 and f"{partial} exists (the samples an interrupted run kept)" in refused.stderr
+
+
+SLOW_SAVE = """
+import os, pathlib, time
+import safetensors.torch
+
+_save_file = safetensors.torch.save_file
+
+
+def save_file(*args, **kwargs):
+    pathlib.Path(os.environ["DPLIT_TEST_STARTED"]).touch()
+    time.sleep(120)
+    return _save_file(*args, **kwargs)
+
+
+safetensors.torch.save_file = save_file
+"""
+"""A ``sitecustomize`` that makes the export's weights file slow to write (and says when it starts), so a Ctrl-C
+lands while the export folder is half-written."""
+
+
+def test_ctrl_c_while_exporting_is_one_line_and_leaves_no_folder(
+    exported_lm: tuple[Path, Path], tmp_path: Path
+) -> None:
+    checkpoint, _ = exported_lm
+    (tmp_path / "sitecustomize.py").write_text(SLOW_SAVE)
+    started, out = tmp_path / "started", tmp_path / "out"
+    command = [dplit_executable(), "export", "--ckpt_path", str(checkpoint), "--output_dir", str(out)]
+    result = interrupted(command, started.exists, PYTHONPATH=str(tmp_path), DPLIT_TEST_STARTED=str(started))
+    lines = result.stdout.splitlines()
+    assert started.exists() and result.returncode == 130 and "Traceback" not in result.stdout, result.stdout
+    assert lines[-1] == f"dplit: interrupted: nothing was exported (--output_dir {out} is as it was)"
+    assert [line for line in lines if "interrupted" in line] == lines[-1:]
+    assert not out.exists() and not list(tmp_path.glob(".out*"))  # no folder, not even the half-written staging one

@@ -280,6 +280,27 @@ def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) ->
             file, text that is not UTF-8, a line that is not JSON or not an object, a CSV row with the wrong
             number of fields, a missing column, a value that is not a string, or a file with no rows.
     """
+    return records_to_rows(path, read_records(path, columns, limit), columns)
+
+
+def read_records(path: Path, columns: tuple[str, ...], limit: int | None = None) -> list[Record]:
+    """The rows of a local JSONL / JSON / CSV / TXT file as :func:`read_rows` parses them, columns not yet checked.
+
+    ``dplit lm generate`` reads its prompts file with it, so prompts and training files are read alike.
+
+    Args:
+        path: the file.
+        columns: the columns to be read (a TXT file's one column is named ``columns[0]``).
+        limit: read only the first ``limit`` rows.
+
+    Returns:
+        The non-blank rows, each with its 1-based line (or JSON array item) and all of its columns.
+
+    Raises:
+        ValueError: naming the file (and the line) for a missing file, a directory, an unknown suffix, an empty
+            file, text that is not UTF-8, a line that is not JSON or not an object, a CSV quote left open, a CSV
+            row with the wrong number of fields, or a file with no rows.
+    """
     if path.is_dir():
         raise ValueError(f"{path}: is a directory, expected a {'/'.join(FILE_TYPES)} file")
     if not path.is_file():
@@ -299,7 +320,7 @@ def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) ->
         records = list(islice(reader(path, file, columns[0]), limit))
     if not records and limit != 0:
         raise ValueError(f"{path}: no examples (only blank lines)")
-    return _records_to_rows(path, records, columns)
+    return records
 
 
 def _read_txt(path: Path, file: TextIO, column: str) -> Iterator[Record]:
@@ -373,12 +394,23 @@ def _read_csv(path: Path, file: TextIO, column: str) -> Iterator[Record]:
         raise ValueError(f"{path}: no examples (only the header line)")
 
 
-def _records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...]) -> TextRows:
-    """Check that every record has the columns, as strings (``null``: empty), and gather them."""
+def records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...], *, flag: str = "") -> TextRows:
+    """Check that every record has the ``columns``, as strings (``null``: empty), and gather them.
+
+    Args:
+        path: the file the records come from (for messages).
+        records: what :func:`read_records` read.
+        columns: the columns to gather (``("text",)`` or ``("prompt", "response")``).
+        flag: the option that names the columns, added to a missing-column message (``"--prompt_column"``).
+
+    Raises:
+        ValueError: naming the file (and the row's line or item) for a missing column or a value that is not
+            a string.
+    """
     seen = list(dict.fromkeys(key for record in records for key in record.columns))
     missing = [column for column in columns if column not in seen]
     if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; the file has {seen}")
+        raise ValueError(f"{path}: missing column(s) {missing}; the file has {seen}" + (f" ({flag})" if flag else ""))
     values: list[list[str]] = [[] for _ in columns]
     for record in records:
         where = f"{path}, {record.unit} {record.number}"

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +61,26 @@ def export_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         _write(trained, staging, adapter_only=adapter_only)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
+        with _ctrl_c_held():  # the folder is the earlier export or the new one, never half of either
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted or failed export leaves no folder behind
     return target
+
+
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Ignore Ctrl-C (SIGINT) for the moment the finished export replaces ``--output_dir`` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_output_dir(output_dir: str | Path, *, overwrite: bool) -> Path:

@@ -7,14 +7,17 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain, islice
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dplit.data.text import read_records, records_to_rows
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.release.trained import check_checkpoint_file, load_trained
 
@@ -25,7 +28,8 @@ class Prompt:
 
     text: str
     label: Any = None
-    line: int | None = None
+    where: str | None = None
+    """Where it is in the prompts file (``"line 3"``, or ``"item 3"`` of a JSON array), for messages."""
 
 
 @dataclass(frozen=True)
@@ -53,33 +57,33 @@ class SamplingSettings:
 
 
 def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_column: str = "label") -> list[Prompt]:
-    """Prompts from a ``.jsonl`` file (``prompt_column``, optional ``label_column``) or a text file (one per line).
+    """Prompts from a ``.txt`` (one per line), ``.jsonl``, ``.json`` or ``.csv`` file, read as training files are.
+
+    The file is parsed by :func:`dplit.data.text.read_records` (the readers of ``data.train_file``): a CSV file
+    has a header line, a JSON file holds an array of objects or JSON Lines, blank lines are skipped.
+
+    Args:
+        path: the prompts file (``--prompts_file``).
+        prompt_column: the column of each prompt (``--prompt_column``; a ``.txt`` line is the prompt).
+        label_column: the column of each prompt's label, kept in the output when present (``--label_column``).
 
     Raises:
-        ValueError: naming ``--prompts_file`` (and the row) for a missing or empty file, a row that is not a JSON
-            object, or a row without ``prompt_column``.
+        ValueError: naming ``--prompts_file`` (and the line or item) for a file that training would refuse (missing,
+            not UTF-8, not JSON, a CSV quote left open, ...), a missing prompt column or an empty prompt.
     """
     file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"--prompts_file {path}: no such file")
-    lines = [(number, line) for number, line in enumerate(file.read_text().splitlines(), 1) if line.strip()]
-    if not lines:
-        raise ValueError(f"--prompts_file {path}: no prompts (the file is empty)")
-    if file.suffix.lower() != ".jsonl":
-        return [Prompt(line.strip(), line=number) for number, line in lines]
+    columns = (prompt_column,)
+    try:
+        records = read_records(file, columns)
+        texts = records_to_rows(file, records, columns, flag="--prompt_column").texts or []
+    except ValueError as error:
+        raise ValueError(f"--prompts_file {error}") from None
     prompts = []
-    for number, line in lines:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"--prompts_file {path} line {number}: not a JSON object") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"--prompts_file {path} line {number}: not a JSON object")
-        if not isinstance(row.get(prompt_column), str) or not row[prompt_column]:
-            raise ValueError(
-                f"--prompts_file {path} line {number}: no non-empty text column {prompt_column!r} (--prompt_column)"
-            )
-        prompts.append(Prompt(row[prompt_column], row.get(label_column), number))
+    for record, text in zip(records, texts):
+        where = f"{record.unit} {record.number}"
+        if not text.strip():
+            raise ValueError(f"--prompts_file {file}, {where}: empty prompt (--prompt_column {prompt_column!r})")
+        prompts.append(Prompt(text, record.columns.get(label_column), where))
     return prompts
 
 
@@ -133,6 +137,55 @@ def load_generator(model: str | Path) -> tuple[PreTrainedModel, PreTrainedTokeni
     return backbone.eval(), tokenizer, guarantee
 
 
+MAX_SAMPLES = 10_000_000
+"""The most samples (prompts × ``--num_samples``) one ``dplit lm generate`` run draws: a typo such as
+``--num_samples 1000000000`` is refused up front instead of running for weeks. Split a bigger job over several
+``--seed`` values and output files."""
+
+
+def check_sample_count(prompts: int, num_samples: int) -> int:
+    """The samples a run draws (``prompts × num_samples``), refused above :data:`MAX_SAMPLES`.
+
+    Raises:
+        ValueError: naming ``--num_samples`` when the total exceeds :data:`MAX_SAMPLES`.
+    """
+    total = prompts * num_samples
+    if total > MAX_SAMPLES:
+        raise ValueError(
+            f"--num_samples={num_samples}: {prompts} prompt(s) × {num_samples} = {total:,} samples, above the limit "
+            f"of {MAX_SAMPLES:,} per run; draw fewer, or split the work over several --seed values and output files"
+        )
+    return total
+
+
+def generate_batches(
+    backbone: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[Prompt],
+    settings: SamplingSettings,
+    *,
+    progress: bool = True,
+) -> Iterator[list[dict[str, Any]]]:
+    """``settings.num_samples`` sampled continuations of every prompt, one batch of rows at a time.
+
+    Batched with the KV cache and seeded per batch; the work is bounded (:func:`check_sample_count`) and checked
+    (:func:`check_token_budget`) before the first batch, and never held in memory whole. Each batch's
+    continuations are capped at what the model's positions leave after its longest prompt.
+
+    Yields:
+        The rows of one batch: ``prompt``, ``label`` (when the prompt has one), ``sample`` and ``text``.
+    """
+    total = check_sample_count(len(prompts), settings.num_samples)
+    check_token_budget(backbone, tokenizer, prompts, settings.max_new_tokens)
+    jobs = ((prompt, index) for prompt in prompts for index in range(settings.num_samples))
+    with tqdm(total=total, desc="generating", unit="sample", disable=not progress, file=sys.stderr) as bar:
+        for start in range(0, total, settings.batch_size):
+            batch = list(islice(jobs, settings.batch_size))
+            texts = _sample(backbone, tokenizer, [prompt.text for prompt, _ in batch], settings, start)
+            yield [_sample_row(prompt, index, text) for (prompt, index), text in zip(batch, texts)]
+            bar.update(len(batch))
+
+
 def generate_rows(
     backbone: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -141,23 +194,13 @@ def generate_rows(
     *,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
-    """``settings.num_samples`` sampled continuations of every prompt, batched with the KV cache, seeded per batch.
+    """Every row of :func:`generate_batches`, in one list (for a few samples; the command streams them to a file)."""
+    return [row for rows in generate_batches(backbone, tokenizer, prompts, settings, progress=progress) for row in rows]
 
-    Each batch's continuations are capped at what the model's positions leave after its longest prompt (see
-    :func:`check_token_budget`).
-    """
-    check_token_budget(backbone, tokenizer, prompts, settings.max_new_tokens)
-    jobs = [(prompt, index) for prompt in prompts for index in range(settings.num_samples)]
-    rows: list[dict[str, Any]] = []
-    with tqdm(total=len(jobs), desc="generating", unit="sample", disable=not progress, file=sys.stderr) as bar:
-        for start in range(0, len(jobs), settings.batch_size):
-            batch = jobs[start : start + settings.batch_size]
-            texts = _sample(backbone, tokenizer, [prompt.text for prompt, _ in batch], settings, start)
-            for (prompt, index), text in zip(batch, texts):
-                label = {} if prompt.label is None else {"label": prompt.label}
-                rows.append({"prompt": prompt.text, **label, "sample": index, "text": text})
-            bar.update(len(batch))
-    return rows
+
+def _sample_row(prompt: Prompt, index: int, text: str) -> dict[str, Any]:
+    label = {} if prompt.label is None else {"label": prompt.label}
+    return {"prompt": prompt.text, **label, "sample": index, "text": text}
 
 
 def check_token_budget(
@@ -176,7 +219,7 @@ def check_token_budget(
     for prompt, length in zip(prompts, lengths):
         if length >= limit:
             raise ValueError(
-                f"--prompts_file line {prompt.line}: the prompt has {length} tokens, which leaves no room for "
+                f"--prompts_file {prompt.where}: the prompt has {length} tokens, which leaves no room for "
                 f"--max_new_tokens within the model's limit of {limit} positions (max_position_embeddings): shorten it"
             )
     if max(lengths) + max_new_tokens > limit:
@@ -222,22 +265,68 @@ def _sample(
     return [tokenizer.decode(row[width:], skip_special_tokens=True).strip() for row in out]
 
 
-def write_jsonl(rows: list[dict[str, Any]], output_file: str | Path) -> Path:
-    """Write ``rows`` as JSON lines, atomically (a partial file never replaces a finished one)."""
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C while samples were being written; its message says what was kept (the line the command prints)."""
+
+
+def partial_file(output_file: str | Path) -> Path:
+    """Where samples go while they are drawn: ``OUT.partial``, renamed to ``OUT`` when the last one is written."""
     path = Path(output_file).expanduser()
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-    os.replace(temporary, path)
-    return path
+    return path.with_name(f"{path.name}.partial")
+
+
+def write_samples(batches: Iterable[list[dict[str, Any]]], output_file: str | Path) -> tuple[Path, int]:
+    """Stream ``batches`` of rows as JSON lines to ``OUT.partial``, each batch written through, then rename it ``OUT``.
+
+    The first batch is drawn before the file is opened, so a refusal writes nothing. ``OUT.partial`` holds only
+    whole rows at every batch's end, and is kept (cut back to its last whole row) when drawing stops early.
+
+    Returns:
+        The output file and the number of rows written.
+
+    Raises:
+        Interrupted: on Ctrl-C after the first batch, naming ``OUT.partial`` and the rows it keeps.
+    """
+    path, partial = Path(output_file).expanduser(), partial_file(output_file)
+    batches = iter(batches)
+    first = next(batches, [])
+    with partial.open("wb", buffering=0) as file:  # unbuffered: every batch reaches the file as it is written
+        count = _append_rows(file, chain([first], batches), partial, path)
+    os.replace(partial, path)
+    return path, count
+
+
+def _append_rows(file: BinaryIO, batches: Iterator[list[dict[str, Any]]], partial: Path, path: Path) -> int:
+    """Write the rows of ``batches`` to ``file``; on any exception, cut it back to its last whole row and say so."""
+    count = written = 0
+    try:
+        for rows in batches:
+            data = memoryview("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())
+            while data:
+                data = data[file.write(data) :]
+            written, count = file.tell(), count + len(rows)
+    except BaseException as error:
+        file.truncate(written)
+        kept = f"kept the {count} samples drawn so far in {partial} (JSON lines; {path} was not written)"
+        if isinstance(error, KeyboardInterrupt):
+            raise Interrupted(kept) from None
+        warnings.warn(f"generation stopped: {kept}", stacklevel=2)
+        raise
+    return count
 
 
 def check_output_file(output_file: str | Path, *, overwrite: bool) -> None:
-    """Refuse an output file that exists (unless ``overwrite``) or whose folder does not."""
+    """Refuse an output file (or its ``.partial`` file) that exists, unless ``overwrite``, or whose folder does not."""
     path = Path(output_file).expanduser()
     if path.is_dir():
         raise ValueError(f"--output_file {output_file}: is a folder")
     if path.exists() and not overwrite:
         raise ValueError(f"--output_file {output_file}: exists (pass --overwrite to replace it)")
+    if partial_file(path).exists() and not overwrite:
+        raise ValueError(
+            f"--output_file {output_file}: {partial_file(path)} exists (the samples an interrupted run kept): "
+            "move it away, or pass --overwrite to replace it"
+        )
     if not path.parent.is_dir():
         raise ValueError(f"--output_file {output_file}: its folder does not exist")
 
