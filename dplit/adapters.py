@@ -86,6 +86,7 @@ def apply_adapters(model: PreTrainedModel, config: Any, *, train_embeddings: boo
     """
     config = adapter_config(config)
     refuse_untrainable_options(config)
+    refuse_silent_adapters(config)
     from peft import inject_adapter_in_model
     from peft.utils.error import NoMatchingPeftModuleError
 
@@ -119,6 +120,25 @@ def refuse_untrainable_options(config: Any) -> None:
     for option, (name, cause) in UNTRAINABLE_OPTIONS.items():
         if getattr(config, option, None):
             raise ValueError(f"model.peft: {option} ({name}) is not supported: {cause}")
+
+
+def refuse_silent_adapters(config: Any) -> None:
+    """Refuse a LoRA scale of zero: ``lora_alpha: 0`` multiplies every adapter's output by 0/r.
+
+    Such adapters change nothing the model computes, so their gradients are zero and the run would spend ε for no
+    training at all; the same holds for one module given 0 in ``alpha_pattern``.
+    """
+    if getattr(config, "lora_alpha", None) == 0:
+        raise ValueError(
+            "model.peft.init_args.lora_alpha=0 scales every LoRA adapter's output by lora_alpha/r = 0, so the adapters "
+            "would never change the model while the run spends ε: use lora_alpha > 0 (peft's default is 8)"
+        )
+    for module, alpha in (getattr(config, "alpha_pattern", None) or {}).items():
+        if alpha == 0:
+            raise ValueError(
+                f"model.peft.init_args.alpha_pattern[{module!r}]=0 scales that LoRA adapter's output by 0, so it would "
+                "never change the model while the run spends ε: give it an alpha > 0, or drop it from target_modules"
+            )
 
 
 def check_saved_copies(

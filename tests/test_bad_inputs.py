@@ -6,6 +6,7 @@ code 2, no traceback, exactly one ``dplit: error:`` line naming the culprit, and
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -87,6 +88,22 @@ def object_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     """A file torch.save wrote, holding an arbitrary Python object (no checkpoint: weights_only refuses it)."""
     torch.save({"a": object()}, scratch / "object.ckpt")
     return ["--ckpt_path", str(scratch / "object.ckpt")]
+
+
+def lora_rank_4_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
+    """A checkpoint of a rank-4 LoRA run, resumed with ``r: 8`` (the checkpoint's rank would silently win)."""
+    torch.save({"state_dict": {}, "hyper_parameters": {"peft": json.loads(lora_on("c_attn"))}}, scratch / "lora.ckpt")
+    return ["--model.peft", lora_on("c_attn").replace('"r": 4', '"r": 8'), "--ckpt_path", str(scratch / "lora.ckpt")]
+
+
+def second_config(text: str) -> Setup:
+    """``dplit fit`` on the quickstart config, then a second ``--config`` file holding ``text``."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        (scratch / "extra.yaml").write_text(text)
+        return ["fit", *quickstart_args(run), "--config", str(scratch / "extra.yaml")]
+
+    return setup
 
 
 def sst2_files(train: str | bytes | None, dev: str) -> Callable[[Path, Path], list[str]]:
@@ -257,10 +274,16 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("noise-multiplier-too-small-for-prv", flags("--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1e-6"), r"^DPStrategy.noise_multiplier=1e-06 is too small for DPStrategy.accountant='prv' .* use noise_multiplier ≥"),
     ("target-epsilon-out-of-reach", flags("--trainer.strategy.init_args.target_epsilon", "0.05", "--trainer.strategy.init_args.target_delta", "1e-5", "--data.batch_size", "100", "--trainer.max_epochs", "500"), r"^DPStrategy.target_epsilon=0.05 cannot be reached .* raise target_epsilon"),
     ("delta-opacus-cannot-compute", flags("--trainer.strategy.init_args.target_delta", "0.99", "--trainer.strategy.init_args.allow_large_delta", "true"), r"target_delta must be in \(0, 0.1\]"),
+    ("resume-with-another-lora-rank", with_files(lora_rank_4_checkpoint), r"^model\.peft\.init_args\.r=8 differs from the checkpoint's 4: --ckpt_path resumes the checkpoint's model"),
     ("ckpt-path-last-without-checkpoint", flags("--ckpt_path", "last"), r"--ckpt_path last: no checkpoint under .* nothing to resume"),
     ("predict-subcommand", lambda scratch, tokenizer, run: ["predict", *quickstart_args(run)], r"invalid choice: 'predict'"),
     ("lm-test-subcommand", lambda scratch, tokenizer, run: ["lm", "test", *lm_args(run)], r"invalid choice: 'test'"),
     ("lm-fast-dev-run", lm_flags("--trainer.fast_dev_run", "1"), r"trainer.fast_dev_run is refused with DPStrategy"),
+    # config files YAML would read silently wrong, or that belong to another command
+    ("config-key-given-twice", second_config("model:\n  lr: 0.01\n  warmup_steps: 2\n  lr: 0.1\n"), r"^--config .*extra\.yaml: model\.lr is given twice \(lines 2 and 4\); YAML would silently keep only the second"),
+    ("config-empty", second_config("# nothing yet\n"), r"^--config .*extra\.yaml: the file is empty \(no settings\)$"),
+    ("lm-config-given-to-fit", lambda scratch, tokenizer, run: ["fit", "--config", str(CONFIGS / "lm_quickstart.yaml"), "--trainer.default_root_dir", str(run)], r"^--config .*lm_quickstart\.yaml: a config for dplit lm fit \(it sets model\.loss_reduction"),
+    ("classifier-config-given-to-lm-fit", lambda scratch, tokenizer, run: ["lm", "fit", *quickstart_args(run)], r"^--config .*quickstart\.yaml: a config for dplit fit \(it sets model\.head, data\.task"),
     # the model, checked before the first private step
     ("config-key-typo", flags("--model.config", '{"n_layers": 2, "n_embd": 64, "n_head": 4, "n_positions": 64}'), r"^model\.config: unknown key 'n_layers' for model_type 'gpt2' \(did you mean 'n_layer'\?\)$"),
     ("unknown-model-type", flags("--model.config", '{"model_type": "lama", "hidden_size": 16}'), r"^model\.config: unknown model_type 'lama' \(did you mean 'llama'.{0,80}common families: gpt2, llama"),
@@ -294,6 +317,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("peft-copy-beside-frozen-embeddings", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "modules_to_save": ["lm_head"]}}'), r"^model\.peft: modules_to_save=\['lm_head'\] asks peft to train a copy of the LM head, but model\.train_embeddings is false"),
     ("peft-trainable-tokens", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "trainable_token_indices": [1, 2]}}'), r"^model\.peft: trainable_token_indices \(peft's trainable tokens\) is not supported"),
     ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
+    ("lora-alpha-zero", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "lora_alpha": 0, "target_modules": ["c_attn"]}}'), r"^model\.peft\.init_args\.lora_alpha=0 scales every LoRA adapter's output by lora_alpha/r = 0"),
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
     # the privacy audit: dplit audit and dplit lm audit
     ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
