@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
 from dplit.audit.canaries import GradientCanaries, InputCanaries
 from dplit.audit.command import AUDIT_FILE, audit_main
+from dplit.privacy.warnings import PrivacyWarning
 from tests.executable import dplit_executable, user_environment
 from tests.test_bad_inputs import lm_args
 from tests.test_cli import CONFIGS, TINY_LLAMA
@@ -173,6 +174,8 @@ def test_correct_dp_is_not_refuted(claimed: float, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:PRIVACY AUDIT FAILED")  # expected: the mechanism is broken on purpose
+@pytest.mark.filterwarnings("ignore:DPStrategy.noise_multiplier=0")
 @pytest.mark.parametrize(
     ("name", "extra"), [("no noise", NO_NOISE), ("no clipping", [*broken("NoClipping"), *epsilon(1.0)])]
 )
@@ -187,7 +190,7 @@ def test_noise_or_clipping_off_is_caught(name: str, extra: list[str], tmp_path: 
 
 @pytest.mark.slow
 def test_a_canary_whose_clipping_is_skipped_is_caught(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(SystemExit) as stop, pytest.warns(PrivacyWarning, match="PRIVACY AUDIT FAILED"):
         audit_main(full_batch_args(tmp_path, *broken("UnclippedCanaries"), *epsilon(1.0)), lm=False)
     report = read_report(tmp_path)
     assert (
@@ -198,7 +201,7 @@ def test_a_canary_whose_clipping_is_skipped_is_caught(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_half_the_noise_is_caught_with_a_hundred_thousand_canaries(tmp_path: Path) -> None:
     honest = audit_main(full_batch_args(tmp_path / "honest", "--audit.canaries", "100000", *epsilon(1.0)), lm=False)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit), pytest.warns(PrivacyWarning, match="PRIVACY AUDIT FAILED"):
         audit_main(
             full_batch_args(tmp_path / "half", "--audit.canaries", "100000", *broken("HalfNoise"), *epsilon(1.0)),
             lm=False,
