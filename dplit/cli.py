@@ -6,6 +6,7 @@ import importlib
 import inspect
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -15,17 +16,20 @@ import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
 from dplit.model import CausalLMClassifier
+from dplit.privacy.ledger import LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.commands import export_main, generate_main
 from dplit.release.trained import check_checkpoint_file
-from dplit.strategy import DPStrategy
+from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from dplit.terminal import dependency_refusal, terminal_output
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
@@ -217,6 +221,24 @@ class DPLitCLI(LightningCLI):
         for logger in self.trainer.loggers:
             logger.log_hyperparams({"non_private": non_private})
 
+    def fit(self, **kwargs: Any) -> None:
+        """``trainer.fit``; stopped by SIGTERM (a scheduler preempting the job), exit 143 saying how to resume.
+
+        Lightning ends a run on SIGTERM with its ``SIGTERMException``, a ``SystemExit`` with status 0: the scheduler
+        would record a preempted job as a success.
+        """
+        try:
+            self.trainer.fit(**kwargs)
+        except SIGTERMException:
+            if self.trainer.is_global_zero:
+                print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
+            raise SystemExit(PREEMPTED_EXIT) from None
+
+    def after_fit(self) -> None:
+        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent."""
+        if self.trainer.is_global_zero and not self.trainer.interrupted:
+            print(f"dplit: done: {run_summary(self.trainer)}")
+
     def before_validate(self) -> None:
         """Resolve ``--ckpt_path last``."""
         self._resolve_last_checkpoint()
@@ -252,6 +274,52 @@ class DPLitLMCLI(DPLitCLI):
     def subcommands() -> dict[str, set[str]]:
         """``fit`` and ``validate`` (a text corpus has no test split here, and nothing to predict)."""
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+
+PREEMPTED_EXIT = 128 + signal.SIGTERM
+"""The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""
+
+
+def resume_hint(trainer: Trainer) -> str:
+    """How to resume a run that SIGTERM stopped: the ``--ckpt_path`` of the ``interrupted.ckpt`` it saved."""
+    saved = [path for path in checkpoint_folders(trainer) if (path / INTERRUPT_CHECKPOINT).is_file()]
+    if not saved:
+        return (
+            "no checkpoint was saved (no DP step since the start, or a multi-process run whose privacy_ledger.json is "
+            "current): rerun the same command with --ckpt_path last to continue from the newest checkpoint"
+        )
+    path = max((folder / INTERRUPT_CHECKPOINT for folder in saved), key=lambda file: file.stat().st_mtime)
+    return f"saved {path} with the privacy ledger; resume by rerunning the same command with --ckpt_path {path}"
+
+
+def checkpoint_folders(trainer: Trainer) -> list[Path]:
+    """The run's checkpoint folders: its ``ModelCheckpoint`` folders, else ``<log_dir>/checkpoints``."""
+    folders = [Path(cb.dirpath) for cb in trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+    return folders or [Path(trainer.log_dir or trainer.default_root_dir) / "checkpoints"]
+
+
+def run_summary(trainer: Trainer) -> str:
+    """Where a finished ``fit`` left its checkpoint, ``privacy_ledger.json`` and TensorBoard logs, and its ε."""
+    parts = []
+    callback = trainer.checkpoint_callback
+    checkpoint = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "")
+    if checkpoint:
+        parts.append(f"checkpoint {checkpoint}")
+    ledger = Path(trainer.log_dir or trainer.default_root_dir) / LEDGER_FILE
+    if ledger.is_file():
+        parts.append(f"privacy ledger {ledger}")
+    board = next((logger.log_dir for logger in trainer.loggers if isinstance(logger, TensorBoardLogger)), None)
+    if board is not None:
+        parts.append(f"TensorBoard logs {board} (tensorboard --logdir {Path(board).parent})")
+    return "; ".join([*parts, privacy_spent(trainer.strategy)])
+
+
+def privacy_spent(strategy: Any) -> str:
+    """``ε=7.99 at δ=0.00294 after 40 DP steps``, or that the run had no privacy guarantee."""
+    accountant = strategy.accountant if isinstance(strategy, DPStrategy) else None
+    if accountant is None:
+        return "NON-PRIVATE run: no ε, no differential privacy guarantee"
+    return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} after {accountant.steps} DP steps"
 
 
 NON_PRIVATE_WARNING = (

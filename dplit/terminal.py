@@ -26,6 +26,8 @@ UNACTIONABLE_WARNINGS = (
     r"`loftq_config` specified but will be ignored",  # the CLI fills peft.LoraConfig's default LoftQ settings in
     # Poisson sampling draws every batch afresh, so resuming mid-epoch (an interrupt checkpoint) loses nothing:
     r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+    # a resumed run writes into a new version folder by design, so its checkpoint folder always differs:
+    r"The dirpath has changed from",
 )
 """Messages of dependencies' warnings that every run would print and no user setting can address."""
 

@@ -1,0 +1,62 @@
+"""A run's life through the real ``dplit`` executable: preempted by SIGTERM, resumed, finished."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dplit.cli import PREEMPTED_EXIT, privacy_spent
+from tests.executable import dplit_executable, user_environment
+from tests.test_cli import CONFIGS
+
+
+def quickstart(run: Path, *extra: str) -> list[str]:
+    """``dplit fit`` on the quickstart config (40 DP steps of 500 examples: long enough to be preempted)."""
+    return [
+        dplit_executable(), "fit", "--config", str(CONFIGS / "quickstart.yaml"),
+        "--trainer.default_root_dir", str(run), "--trainer.enable_progress_bar", "false", *extra,
+    ]  # fmt: skip
+
+
+def preempt(command: list[str], run: Path) -> tuple[int, str]:
+    """Start ``command``, send it SIGTERM once its first DP step is in the ledger; (exit code, output)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_environment())
+    started = time.monotonic()
+    while not list(run.rglob("privacy_ledger.json")) and process.poll() is None and time.monotonic() - started < 300:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=300)
+    return process.returncode, output
+
+
+@pytest.mark.slow
+def test_sigterm_exits_143_saying_how_to_resume_and_the_resumed_run_names_what_it_ignores(tmp_path: Path) -> None:
+    code, output = preempt(quickstart(tmp_path / "first"), tmp_path / "first")
+    assert code == PREEMPTED_EXIT == 143, output
+    stopped = [line for line in output.splitlines() if line.startswith("dplit: stopped by SIGTERM:")]
+    saved = next((tmp_path / "first").rglob("interrupted.ckpt"))
+    assert len(stopped) == 1 and stopped[0].endswith(f"--ckpt_path {saved}"), output
+    assert output.rstrip().endswith(stopped[0]) and "Traceback" not in output
+
+    resumed = subprocess.run(
+        quickstart(tmp_path / "second", "--ckpt_path", str(saved), "--model.lr", "0.1", "--trainer.max_steps", "3",
+                   "--trainer.limit_val_batches", "1"),
+        capture_output=True, text=True, timeout=600, check=False, env=user_environment(),
+    )  # fmt: skip
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    ignored = [line for line in output.splitlines() if line.startswith("dplit: warning: --ckpt_path resumes")]
+    assert len(ignored) == 1 and "model.lr=0.1 (checkpoint: 0.005)" in ignored[0], output
+    assert "dirpath has changed" not in output
+    done = [line for line in output.splitlines() if line.startswith("dplit: done:")]
+    ledger = next((tmp_path / "second").rglob("privacy_ledger.json"))
+    assert len(done) == 1 and f"privacy ledger {ledger}" in done[0] and "after 3 DP steps" in done[0], output
+    assert "checkpoint " in done[0] and "TensorBoard logs " in done[0] and "ε=" in done[0]
+
+
+def test_a_non_private_run_says_it_spent_no_epsilon() -> None:
+    assert privacy_spent(object()) == "NON-PRIVATE run: no ε, no differential privacy guarantee"
