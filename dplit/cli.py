@@ -30,7 +30,7 @@ from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.commands import export_main, generate_main
 from dplit.release.trained import check_checkpoint_file
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
-from dplit.terminal import dependency_refusal, terminal_output
+from dplit.terminal import dependency_refusal, front_door, terminal_output
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
 _PRIVACY_NUMBERS = {
@@ -470,6 +470,9 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 def main(args: ArgsType = None) -> None:
     """Entry point of ``dplit fit|validate|test|audit|export`` and ``dplit lm fit|validate|audit|generate|export``.
 
+    ``dplit``, ``dplit --help`` and an unknown command are answered by :func:`dplit.terminal.front_door` (one
+    help listing every command; a did-you-mean).
+
     torch.distributed variables that a parent process exported for itself are dropped first, in one warning line
     (see :func:`drop_inherited_launch_variables`). A refusal (one of :data:`REFUSALS`, or Lightning's or torch's
     own refusal of a setting: see :func:`dplit.terminal.dependency_refusal`) prints ``dplit: error: <message>`` on
@@ -481,6 +484,9 @@ def main(args: ArgsType = None) -> None:
         print(f"dplit: warning: {inherited_message(inherited)}", file=sys.stderr)
     debug = "--debug" in argv or os.environ.get("DPLIT_DEBUG") == "1"
     argv = [arg for arg in argv if arg != "--debug"]
+    status = front_door(argv)  # help and a mistyped command (the console script answers them before importing us)
+    if status is not None:
+        raise SystemExit(status)
     try:
         with terminal_output():
             _run(argv)

@@ -1,7 +1,11 @@
-"""What the ``dplit`` command shows at the terminal: privacy warnings that stand out, no noise a user cannot act on."""
+"""What the ``dplit`` command shows at the terminal: privacy warnings that stand out, no noise a user cannot act on.
+
+It imports neither torch nor Lightning at module level: ``dplit --help`` and a mistyped command answer at once.
+"""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 import re
@@ -13,10 +17,70 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
-from transformers.utils import logging as transformers_logging
+COMMANDS = {
+    "fit": "train a classifier privately with DP-SGD (GLUE tasks, the built-in synthetic task)",
+    "validate": "evaluate a classifier (--ckpt_path: a checkpoint) on the validation split",
+    "test": "evaluate a classifier on the test split (GLUE's dev set)",
+    "audit": "train once with canaries and measure an empirical lower bound on ε",
+    "export": "write a checkpoint as a Hugging Face model folder with its DP model card",
+    "lm fit": "train a causal language model privately on next-token loss over a text corpus",
+    "lm validate": "validation loss and perplexity of a language model (--ckpt_path: a checkpoint)",
+    "lm audit": "the privacy audit of dplit audit, for a language model",
+    "lm export": "export a language-model checkpoint (as dplit export)",
+    "lm generate": "sample synthetic text from an exported private language model",
+}
+"""Every ``dplit`` command → one line saying what it does."""
 
-from dplit.privacy.warnings import PrivacyWarning
+HELP_FLAGS = ("-h", "--help")
+
+
+def help_text() -> str:
+    """``dplit --help``: every command with a line each, and where to start."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = [f"  {name:<{width}}{what}" for name, what in COMMANDS.items()]
+    return "\n".join([
+        "usage: dplit <command> [--config FILE.yaml] [--section.flag VALUE ...]",
+        "",
+        "Differentially private (DP-SGD) fine-tuning of causal language models with PyTorch Lightning.",
+        "",
+        "commands:",
+        *lines,
+        "",
+        "dplit <command> --help lists every flag of a command. Start with:",
+        "  dplit fit --config configs/quickstart.yaml",
+        "  dplit lm fit --config configs/lm_quickstart.yaml",
+    ])  # fmt: skip
+
+
+def front_door(argv: list[str]) -> int | None:
+    """Answer ``dplit``, ``dplit --help``, ``dplit lm --help`` and a mistyped command without importing torch.
+
+    Returns:
+        The exit status when it answered (help: 0, an unknown command: 2), ``None`` to run the command.
+    """
+    words = argv[1:] if argv[:1] == ["lm"] else argv
+    if not words or words[0] in HELP_FLAGS:
+        print(help_text())
+        return 0
+    if words[0].startswith("-"):  # a flag before the command (``dplit -c run.yaml fit``): Lightning's parser reads it
+        return None
+    message = unknown_command(argv)
+    if message is None:
+        return None
+    print(f"dplit: error: {message}", file=sys.stderr)
+    return 2
+
+
+def unknown_command(argv: list[str]) -> str | None:
+    """The one-line refusal of a command ``argv`` does not start with (with a did-you-mean); ``None`` if it does."""
+    lm = argv[:1] == ["lm"]
+    given = " ".join(argv[:2]) if lm else argv[0]
+    if given in COMMANDS:
+        return None
+    candidates = [name for name in COMMANDS if name.startswith("lm ")] if lm else list(COMMANDS)
+    close = difflib.get_close_matches(given, candidates, n=1, cutoff=0.7)
+    hint = f" (did you mean 'dplit {close[0]}'?)" if close else ""
+    return f"invalid choice: {argv[1 if lm else 0]!r}{hint}; the commands: {', '.join(COMMANDS)} (dplit --help)"
 
 UNACTIONABLE_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree use under new torch
@@ -63,6 +127,8 @@ def show_warning(
 
     dplit's other warnings are one ``dplit: warning:`` line; dependencies' keep Python's format.
     """
+    from dplit.privacy.warnings import PrivacyWarning
+
     text = " ".join(str(message).split())
     if issubclass(category, PrivacyWarning):
         print(f"dplit: WARNING: {text}", file=file or sys.stderr)
@@ -82,6 +148,10 @@ def terminal_output() -> Iterator[None]:
     transformers' per-load progress bars ("Loading weights", "Writing model shards") are off: every command loads a
     model, and the bars bury the lines that matter.
     """
+    from transformers.utils import logging as transformers_logging
+
+    from dplit.privacy.warnings import PrivacyWarning
+
     noise = _DropUnactionable()
     bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
@@ -113,6 +183,8 @@ def dependency_refusal(error: BaseException) -> str | None:
     * an error raised while ``torch.distributed`` starts the process group (a backend torch was not built with,
       a port in use, ...); the line names ``process_group_backend`` and the rendezvous address.
     """
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
     frames = list(_frames(error))
     text = " ".join(str(error).split()) or type(error).__name__
     if isinstance(error, MisconfigurationException):

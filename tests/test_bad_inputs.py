@@ -276,6 +276,8 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("delta-opacus-cannot-compute", flags("--trainer.strategy.init_args.target_delta", "0.99", "--trainer.strategy.init_args.allow_large_delta", "true"), r"target_delta must be in \(0, 0.1\]"),
     ("resume-with-another-lora-rank", with_files(lora_rank_4_checkpoint), r"^model\.peft\.init_args\.r=8 differs from the checkpoint's 4: --ckpt_path resumes the checkpoint's model"),
     ("ckpt-path-last-without-checkpoint", flags("--ckpt_path", "last"), r"--ckpt_path last: no checkpoint under .* nothing to resume"),
+    ("mistyped-command", lambda scratch, tokenizer, run: ["exprt", "--ckpt_path", str(scratch / "run.ckpt")], r"^invalid choice: 'exprt' \(did you mean 'dplit export'\?\); the commands: fit, validate, test, audit, export, lm fit"),
+    ("generate-without-lm", lambda scratch, tokenizer, run: ["generate", "--model", str(scratch)], r"^invalid choice: 'generate' \(did you mean 'dplit lm generate'\?\)"),
     ("predict-subcommand", lambda scratch, tokenizer, run: ["predict", *quickstart_args(run)], r"invalid choice: 'predict'"),
     ("lm-test-subcommand", lambda scratch, tokenizer, run: ["lm", "test", *lm_args(run)], r"invalid choice: 'test'"),
     ("lm-fast-dev-run", lm_flags("--trainer.fast_dev_run", "1"), r"trainer.fast_dev_run is refused with DPStrategy"),

@@ -12,7 +12,7 @@ import pytest
 
 from dplit.cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
-from dplit.terminal import show_warning, terminal_output
+from dplit.terminal import COMMANDS, show_warning, terminal_output
 from tests.executable import dplit_executable, user_environment
 from tests.test_cli import quickstart_args
 
@@ -55,3 +55,24 @@ def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: 
     assert result.returncode == 0, output
     assert "DP-SGD: σ=" in output and "self-check passed" in output
     assert not [noise for noise in NOISE if noise in output], output
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["lm", "--help"], [], ["lm"]], ids=["help", "lm-help", "bare", "bare-lm"])
+def test_one_help_lists_every_command_with_a_line_each(argv: list[str]) -> None:
+    result = subprocess.run([dplit_executable(), *argv], capture_output=True, text=True, timeout=120, check=False, env=user_environment())
+    assert result.returncode == 0, result.stderr
+    for name, what in COMMANDS.items():
+        assert f"  {name} " in result.stdout and what in result.stdout, result.stdout
+    assert {"generate", "audit", "export"} <= set(result.stdout.split())
+
+
+def test_help_and_a_mistyped_command_answer_without_importing_torch_or_lightning() -> None:
+    script = (
+        "import sys\nfrom dplit.__main__ import main\n"
+        "for argv in (['--help'], ['exprt'], ['lm', 'generat']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print(sorted(name for name in ('torch', 'lightning', 'transformers') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout + result.stderr
+    assert "did you mean 'dplit export'?" in result.stderr and "did you mean 'dplit lm generate'?" in result.stderr
