@@ -63,12 +63,45 @@ def essential_error(message: str) -> str:
 
 
 def _union_error(key: str, message: str) -> str:
-    """``key: <why>`` from jsonargparse's dump of a value that matches no type of a union (``X | None``)."""
-    errors = message.split("Errors:", 1)[1].splitlines()
-    reasons = [line.strip().lstrip("- ").strip() for line in errors if line.strip().startswith("- ")]
+    """``key: <why>`` from jsonargparse's dump of a value that matches no type of a union (``X | None``).
+
+    A value of none of the union's types reads ``key='maybe': expected true or false or an integer``.
+    """
+    reasons = _reasons(message.split("Errors:", 1)[1])
     reasons = [reason for reason in reasons if not reason.startswith("Expected a <class 'NoneType'>")]
     hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "PeftConfig" in message else ""
+    value = _VALUE.search(message)
+    if value is not None and reasons and all(reason.startswith("Expected a ") for reason in reasons):
+        expected = " or ".join(_expected(reason.removeprefix("Expected a ")) for reason in reasons)
+        return f"{key}={value['value']!r}: expected {expected}{hint}"
     return f"{key}: {reasons[0] if reasons else 'invalid value'}{hint}"
+
+
+def _reasons(errors: str) -> list[str]:
+    """The ``- reason`` items of jsonargparse's ``Errors:`` list, each joined with its more-indented lines."""
+    reasons: list[str] = []
+    bullet = -1
+    for line in errors.splitlines():
+        indent, text = len(line) - len(line.lstrip()), line.strip()
+        if text.startswith("- "):
+            bullet = indent
+            reasons.append(text[2:].strip())
+        elif text and reasons and indent > bullet:
+            reasons[-1] = f"{reasons[-1]} {text}"
+        else:
+            bullet = 10**6  # the dump goes on below the list (``Given value: ...``)
+    return reasons
+
+
+_TYPE_NAMES = {"<class 'bool'>": "true or false", "<class 'int'>": "an integer", "<class 'float'>": "a number",
+               "<class 'str'>": "a string"}  # fmt: skip
+
+
+def _expected(kind: str) -> str:
+    """A type as jsonargparse prints it (``<class 'bool'>``, ``typing.Literal['a', 'b']``) in words."""
+    if kind.startswith("typing.Literal[") and kind.endswith("]"):
+        return f"one of {kind.removeprefix('typing.Literal[')[:-1]}"
+    return _TYPE_NAMES.get(kind, kind)
 
 
 class DPLitArgumentParser(LightningArgumentParser):

@@ -286,6 +286,9 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("config-empty", second_config("# nothing yet\n"), r"^--config .*extra\.yaml: the file is empty \(no settings\)$"),
     ("lm-config-given-to-fit", lambda scratch, tokenizer, run: ["fit", "--config", str(CONFIGS / "lm_quickstart.yaml"), "--trainer.default_root_dir", str(run)], r"^--config .*lm_quickstart\.yaml: a config for dplit lm fit \(it sets model\.loss_reduction"),
     ("classifier-config-given-to-lm-fit", lambda scratch, tokenizer, run: ["lm", "fit", *quickstart_args(run)], r"^--config .*quickstart\.yaml: a config for dplit fit \(it sets model\.head, data\.task"),
+    ("seed-everything-not-a-bool", flags("--seed_everything", "maybe"), r"^seed_everything='maybe': expected true or false or an integer$"),
+    ("init-lora-weights-not-a-bool", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"], "init_lora_weights": "maybe"}}'), r"^init_lora_weights='maybe': expected true or false or one of 'gaussian'"),
+    ("embeddings-class-path-typo", flags("--model.embeddings", "dplit.embeddings.UntiedEmbedding"), r"^model\.embeddings: Problem with given class_path 'dplit\.embeddings\.UntiedEmbedding': module 'dplit\.embeddings' has no attribute 'UntiedEmbedding'$"),
     # the model, checked before the first private step
     ("config-key-typo", flags("--model.config", '{"n_layers": 2, "n_embd": 64, "n_head": 4, "n_positions": 64}'), r"^model\.config: unknown key 'n_layers' for model_type 'gpt2' \(did you mean 'n_layer'\?\)$"),
     ("unknown-model-type", flags("--model.config", '{"model_type": "lama", "hidden_size": 16}'), r"^model\.config: unknown model_type 'lama' \(did you mean 'llama'.{0,80}common families: gpt2, llama"),
