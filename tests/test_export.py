@@ -293,3 +293,16 @@ def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     expected = "no such file" if config == "missing.yaml" else "configures a `dplit lm fit` (text generation) run"
     assert f"--config {path}: {expected}" in errors[0] and not (tmp_path / "export").exists()
+
+
+def test_an_export_folder_follows_the_umask_not_mkdtemps_0700(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+    previous = os.umask(0o022)
+    try:
+        export_checkpoint(checkpoint_of(tmp_path), tmp_path / "shared")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o755

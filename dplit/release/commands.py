@@ -56,6 +56,7 @@ def export_main(argv: list[str]) -> None:
         "--data_description", default=None, help="the training data as the card names it (default: the file's base name)"
     )
     args = parser.parse_args(argv)
+    rank_zero_info(f"exporting {args.ckpt_path}: rebuilding the model, merging adapters, writing weights and card ...")
     with one_line_interrupt(f"nothing was exported (--output_dir {args.output_dir} is as it was)"):
         folder = export_checkpoint(
             args.ckpt_path, args.output_dir, config=args.config, adapter_only=args.adapter_only,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import tempfile
@@ -59,6 +60,7 @@ def export_checkpoint(
     if adapter_only:
         _check_adapter_only(trained)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging.chmod(_umask_mode(0o777))  # mkdtemp makes it 0700; a model meant for sharing follows the umask
     try:
         _write(trained, staging, adapter_only=adapter_only)
         with _ctrl_c_held():  # the folder is the earlier export or the new one, never half of either
@@ -68,6 +70,13 @@ def export_checkpoint(
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # an interrupted or failed export leaves no folder behind
     return target
+
+
+def _umask_mode(mode: int) -> int:
+    """``mode`` less the process' umask (what ``mkdir`` would have given)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
 
 
 @contextmanager
