@@ -244,3 +244,21 @@ def test_greedy_samples_reach_tensorboard_as_text(tmp_path: Path) -> None:
     events.Reload()
     texts = [event.tensor_proto.string_val[0].decode() for event in events.Tensors("samples/greedy/text_summary")]
     assert texts and all("**the movie is very** →" in text for text in texts)
+
+
+def test_the_lm_quickstart_with_a_corpus_does_not_warn_about_its_own_settings(
+    tmp_path: Path, tiny_bpe_dir: Path
+) -> None:
+    import warnings
+
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("".join(f"the note number {index} was short\n" for index in range(40)))
+    config = Path(__file__).parents[1] / "configs" / "lm_quickstart.yaml"
+    args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
+            "--data.train_file", str(corpus), "--data.val_file", str(corpus), "--data.batch_size", "8",
+            "--data.tokenizer", str(tiny_bpe_dir), "--model.config", json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2})]  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_lm_cli(args)
+    assert not [w for w in caught if "builtin" in str(w.message) and "is ignored" in str(w.message)]

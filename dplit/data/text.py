@@ -144,7 +144,7 @@ class TextDataModule(LightningDataModule):
         num_workers: int = 0,
         max_train_examples: int | None = None,
         max_eval_examples: int | None = None,
-        builtin_train_size: int = 4000,
+        builtin_train_size: int = 8000,
         builtin_val_size: int = 400,
         seed: int = 0,
     ) -> None:
