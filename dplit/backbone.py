@@ -205,6 +205,12 @@ def _pretrained_model(
     source = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if gguf_file is not None:
         check_gguf_file(pretrained, gguf_file, "model")
+    folder = Path(pretrained).expanduser()
+    if gguf_file is None and folder.is_dir() and not (folder / "config.json").is_file():
+        raise ValueError(
+            f"model.pretrained={pretrained!r}: the folder is not a model folder (no config.json); give a folder "
+            "saved with save_pretrained (or a dplit export), or a GGUF file in it with model.gguf_file"
+        )
     try:
         config = AutoConfig.from_pretrained(pretrained, **source)
     except OSError as error:
