@@ -93,13 +93,18 @@ def apply_adapters(model: PreTrainedModel, config: Any, *, train_embeddings: boo
     tied, saved = is_tied(model), list(getattr(config, "modules_to_save", None) or [])  # peft edits the list
     try:
         inject_adapter_in_model(config, model)
-    except (NoMatchingPeftModuleError, ValueError) as error:
-        raise ValueError(f"model.peft: {' '.join(str(error).split())}") from error
+    except (NoMatchingPeftModuleError, ValueError, TypeError) as error:  # TypeError: a layer type it cannot wrap
+        hint = f" ({CONV1D_HINT})" if "Conv1D" in str(error) else ""
+        raise ValueError(f"model.peft: {' '.join(str(error).split())}{hint}") from error
     tying = tied and bool(getattr(config, "ensure_weight_tying", False))
     check_saved_copies(model, saved, tying=tying, train_embeddings=train_embeddings)
     set_embeddings_trainable(model, train_embeddings)
 
 
+CONV1D_HINT = (
+    "GPT-2's attention and MLP layers are transformers' Conv1D, which this peft method cannot wrap: use LoRA "
+    "(peft.LoraConfig), or target nn.Linear layers of another family"
+)
 UNTRAINABLE_OPTIONS = {
     "trainable_token_indices": (
         "peft's trainable tokens",
