@@ -256,3 +256,15 @@ def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra
     assert len(errors) == 1 and message in errors[0]
     debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300, check=False, env=user_environment())
     assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr
+
+
+def test_a_plain_typed_flag_given_another_type_is_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.executable import dplit_executable, user_environment
+
+    command = [dplit_executable(), "fit", *quickstart_args(tmp_path, "--trainer.max_steps", "abc")]
+    result = subprocess.run(command, capture_output=True, text=True, env=user_environment(), timeout=600, check=False)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1:] == [
+        "dplit: error: trainer.max_steps='abc': expected an integer"
+    ], result.stderr
