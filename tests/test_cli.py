@@ -268,3 +268,16 @@ def test_a_plain_typed_flag_given_another_type_is_one_line(tmp_path: Path) -> No
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1:] == [
         "dplit: error: trainer.max_steps='abc': expected an integer"
     ], result.stderr
+
+
+def test_the_default_progress_bar_shows_no_v_num_and_a_configured_one_is_kept(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    shown = ["--trainer.enable_progress_bar", "true"]
+    cli = run_cli(["fit", *quickstart_args(tmp_path / "default", *steps(1), *shown)])
+    bar = cli.trainer.progress_bar_callback
+    assert bar is not None and "v_num" not in bar.get_metrics(cli.trainer, cli.model)
+    assert cli.trainer.logger is not None and cli.trainer.logger.version == 0  # there was a version to show
+    configured = '[{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar", "init_args": {"refresh_rate": 5}}]'
+    mine = run_cli(["fit", *quickstart_args(tmp_path / "mine", *steps(1), *shown), "--trainer.callbacks", configured])
+    assert type(mine.trainer.progress_bar_callback) is TQDMProgressBar and mine.trainer.progress_bar_callback.refresh_rate == 5
