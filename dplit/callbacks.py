@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 
@@ -68,10 +69,55 @@ def _without_version(items: dict[str, Any]) -> dict[str, Any]:
     return items
 
 
+class ParameterSummary(ModelSummary):
+    """Lightning's model summary as a plain table, without the FLOPs column and total when nothing counted FLOPs.
+
+    Lightning counts FLOPs only for a module with an ``example_input_array``, which dplit's modules do not have, so
+    its summary (and the rich one) would print a column of zeros and ``Total FLOPs: 0``.
+    """
+
+    @staticmethod
+    @override
+    def summarize(
+        summary_data: list[tuple[str, list[str]]],
+        total_parameters: int,
+        trainable_parameters: int,
+        model_size: float,
+        total_training_modes: dict[str, int],
+        total_flops: int,
+        **summarize_kwargs: Any,
+    ) -> None:
+        columns = [(name, values) for name, values in summary_data if total_flops or name != "FLOPs"]
+        widths = [max([len(name), *(len(str(value)) for value in values)]) for name, values in columns]
+        rows = [[name for name, _ in columns], *zip(*(values for _, values in columns))]
+        lines = [" | ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths)) for row in rows]
+        totals = {
+            "Trainable params": f"{trainable_parameters:,}",
+            "Non-trainable params": f"{total_parameters - trainable_parameters:,}",
+            "Total params": f"{total_parameters:,}",
+            "Total estimated model params size (MB)": f"{model_size:,.1f}",
+            "Modules in train mode": str(total_training_modes.get("train", 0)),
+            "Modules in eval mode": str(total_training_modes.get("eval", 0)),
+            **({"Total FLOPs": f"{total_flops:,}"} if total_flops else {}),
+        }
+        lines += [f"{value:<12}{name}" for name, value in totals.items()]
+        rank_zero_info("\n" + "\n".join(lines))
+
+
+_QUIET_SUMMARIES = (ModelSummary, RichModelSummary)
+
 _QUIET_BARS: dict[type, type] = {
     TQDMProgressBar: TQDMProgressBarWithoutVersion,
     RichProgressBar: RichProgressBarWithoutVersion,
 }
+
+
+def use_plain_summary(trainer: Trainer) -> None:
+    """Swap the model summary Lightning added by default for :class:`ParameterSummary` (call it only when the user
+    configured no model summary of their own)."""
+    for index, callback in enumerate(trainer.callbacks):
+        if type(callback) in _QUIET_SUMMARIES:
+            trainer.callbacks[index] = ParameterSummary()
 
 
 def use_quiet_progress_bar(trainer: Trainer) -> None:

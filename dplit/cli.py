@@ -15,14 +15,14 @@ from typing import Any, NoReturn
 import yaml
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from dplit.callbacks import use_quiet_progress_bar
+from dplit.callbacks import use_plain_summary, use_quiet_progress_bar
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.lm import CausalLanguageModel
@@ -302,11 +302,14 @@ class DPLitCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Lightning's trainer, with its default progress bar shown without ``v_num`` (a configured one is kept)."""
+        """Lightning's trainer, its default progress bar without ``v_num`` and its default summary without a FLOPs
+        column of zeros (a progress bar or summary the user configured is kept as it is)."""
         configured = list(self.config_init[self.subcommand].get("trainer", {}).get("callbacks") or [])  # the trainer
         trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults
         if not any(isinstance(callback, ProgressBar) for callback in configured):
             use_quiet_progress_bar(trainer)
+        if not any(isinstance(callback, ModelSummary) for callback in configured):
+            use_plain_summary(trainer)
         return trainer
 
 

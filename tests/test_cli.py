@@ -281,3 +281,14 @@ def test_the_default_progress_bar_shows_no_v_num_and_a_configured_one_is_kept(tm
     configured = '[{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar", "init_args": {"refresh_rate": 5}}]'
     mine = run_cli(["fit", *quickstart_args(tmp_path / "mine", *steps(1), *shown), "--trainer.callbacks", configured])
     assert type(mine.trainer.progress_bar_callback) is TQDMProgressBar and mine.trainer.progress_bar_callback.refresh_rate == 5
+
+
+def test_the_default_model_summary_has_no_column_of_zero_flops(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from dplit.callbacks import ParameterSummary
+
+    summary = ["--trainer.enable_model_summary", "true"]
+    with caplog.at_level("INFO"):
+        cli = run_cli(["fit", *quickstart_args(tmp_path, *steps(1), *summary)])
+    assert any(type(callback) is ParameterSummary for callback in cli.trainer.callbacks)
+    table = next(record.getMessage() for record in caplog.records if "Trainable params" in record.getMessage())
+    assert "Total params" in table and "backbone" in table and "FLOPs" not in table and "Flops" not in table
