@@ -304,7 +304,8 @@ class DPLitCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Lightning's trainer, its default progress bar without ``v_num`` and its default summary without a FLOPs
         column of zeros (a progress bar or summary the user configured is kept as it is)."""
-        configured = list(self.config_init[self.subcommand].get("trainer", {}).get("callbacks") or [])  # the trainer
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init  # dplit audit: none
+        configured = list(config.get("trainer", {}).get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults
         if not any(isinstance(callback, ProgressBar) for callback in configured):
             use_quiet_progress_bar(trainer)
