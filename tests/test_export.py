@@ -18,7 +18,7 @@ from dplit.module import positions_of
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
-from tests.executable import dplit_executable, user_environment
+from tests.executable import dplit_executable, refusal_line, run_dplit, user_environment
 from tests.test_bad_inputs import lm_args, lora_on
 from tests.test_cli import TINY, TINY_LLAMA, glue_args, quickstart_args, steps
 
@@ -286,13 +286,12 @@ def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
 def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_path: Path, config: str) -> None:
     run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
     path = Path(__file__).parents[1] / "configs" / config
-    command = [dplit_executable(), "export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir",
-               str(tmp_path / "export"), "--config", str(path)]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, env=user_environment(), timeout=600, check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    error = refusal_line(
+        run_dplit("export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "export"),
+                  "--config", str(path))
+    )  # fmt: skip
     expected = "no such file" if config == "missing.yaml" else "configures a `dplit lm fit` (text generation) run"
-    assert f"--config {path}: {expected}" in errors[0] and not (tmp_path / "export").exists()
+    assert f"--config {path}: {expected}" in error and not (tmp_path / "export").exists()
 
 
 def test_an_export_folder_follows_the_umask_not_mkdtemps_0700(tmp_path: Path) -> None:

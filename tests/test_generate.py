@@ -27,7 +27,7 @@ from dplit.release.generate import (
     read_prompts,
     write_samples,
 )
-from tests.executable import dplit_executable, user_environment
+from tests.executable import dplit_executable, run_dplit, user_environment
 from tests.test_bad_inputs import lm_args
 from tests.test_export import checkpoint_of
 
@@ -88,6 +88,12 @@ def test_a_checkpoint_generates_as_its_export_and_carries_its_guarantee(
     assert "NOT differentially private" in privacy_line({"differentially_private": False, "reason": "x"}, 4)
 
 
+def generate_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[str]:
+    """``lm generate`` of ``model`` on ``prompts`` into ``out``, on the CPU, with ``extra`` flags."""
+    return ["lm", "generate", "--model", str(model), "--prompts_file", str(prompts), "--output_file", str(out),
+            "--device", "cpu", *extra]  # fmt: skip
+
+
 def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -95,9 +101,7 @@ def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     lines = tmp_path / "prompts.txt"
     lines.write_text("the movie is\n\nthis film is\n")
     out = tmp_path / "synthetic.jsonl"
-    command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(lines),
-               "--num_samples", "2", "--output_file", str(out), "--max_new_tokens", "4", "--seed", "7", "--device", "cpu"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
+    result = run_dplit(*generate_args(folder, lines, out, "--num_samples", "2", "--max_new_tokens", "4", "--seed", "7"))
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["prompt"] for row in rows] == ["the movie is"] * 2 + ["this film is"] * 2
@@ -162,9 +166,7 @@ def test_the_executable_generates_with_default_options_from_a_quickstart_export(
     lines = tmp_path / "prompts.txt"
     lines.write_text("the movie is\nthis actress seems so very\n")
     out = tmp_path / "synthetic.jsonl"
-    command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(lines),
-               "--num_samples", "1", "--output_file", str(out), "--device", "cpu", "--no_progress"]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
+    result = run_dplit(*generate_args(folder, lines, out, "--num_samples", "1", "--no_progress"))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     warning = [line for line in result.stderr.splitlines() if "--max_new_tokens" in line]
     assert len(warning) == 1 and warning[0].startswith("dplit: warning: --max_new_tokens=64"), result.stderr
@@ -240,9 +242,8 @@ def test_ctrl_c_while_generating_keeps_the_samples_drawn_in_one_line(
     _, folder = exported_lm
     out = tmp_path / "synthetic.jsonl"
     partial = partial_file(out)
-    command = [dplit_executable(), "lm", "generate", "--model", str(folder), "--prompts_file", str(prompts_file(tmp_path)),
-               "--num_samples", "1000000", "--output_file", str(out), "--max_new_tokens", "2", "--batch_size", "2",
-               "--device", "cpu", "--no_progress"]  # fmt: skip
+    command = [dplit_executable(), *generate_args(folder, prompts_file(tmp_path), out, "--num_samples", "1000000",
+               "--max_new_tokens", "2", "--batch_size", "2", "--no_progress")]  # fmt: skip
     result = interrupted(command, lambda: partial.is_file() and partial.stat().st_size > 0)
     lines = result.stdout.splitlines()
     assert result.returncode == 130 and "Traceback" not in result.stdout, result.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from dplit.privacy.relations import epsilon_under
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
-from tests.executable import dplit_executable, user_environment
+from tests.executable import refusal_line, run_dplit
 from tests.test_cli import quickstart_args, steps
 from tests.test_strategy import fit, make_model
 from tests.tiny import RandomTokenData
@@ -159,12 +158,8 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     assert str(tmp_path) not in json.dumps(guarantee)  # the card names base names, never the user's folders
     spent = [*quickstart_args(tmp_path / "third", *steps(2), *built[:2]), "--model.pretrained", str(tmp_path / "export2")]
     spent += ["--trainer.strategy.init_args.target_epsilon", "0.2"]  # the export's 5 steps already spent more
-    result = subprocess.run(
-        [dplit_executable(), "fit", *spent], capture_output=True, text=True, env=user_environment(), timeout=600, check=False
-    )
-    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
-    assert result.returncode == 2 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
-    assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in errors[0]
+    error = refusal_line(run_dplit("fit", *spent))
+    assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in error
     assert not list((tmp_path / "third").rglob("*.ckpt"))
 
 

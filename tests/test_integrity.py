@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ from dplit.cli import run_cli
 from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint
-from tests.executable import dplit_executable, user_environment
+from tests.executable import refusal_line, run_dplit
 from tests.test_cli import quickstart_args, steps
 
 SIGMA = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
@@ -56,13 +55,8 @@ def test_a_changed_checkpoint_is_refused_by_export_and_resume(trained: Path, tmp
         export_checkpoint(path, tmp_path / "export")
     assert not (tmp_path / "export").exists()
     resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
-    result = subprocess.run(
-        [dplit_executable(), "fit", *resume, "--ckpt_path", str(path)],
-        capture_output=True, text=True, env=user_environment(), timeout=600, check=False,
-    )  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert f"--ckpt_path {path}: its" in errors[0] and "do not match the digest" in errors[0]
+    error = refusal_line(run_dplit("fit", *resume, "--ckpt_path", str(path)))
+    assert f"--ckpt_path {path}: its" in error and "do not match the digest" in error
     assert not list((tmp_path / "resumed").rglob("*.ckpt")) and not list((tmp_path / "resumed").rglob("*.json"))
 
 
@@ -104,22 +98,11 @@ def test_a_checkpoint_resumed_in_its_run_folder_does_not_warn(trained: Path, tmp
 def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(trained: Path, tmp_path: Path) -> None:
     resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
     resume[resume.index("--data.synthetic_train_size") + 1] = "240"
-    result = subprocess.run(
-        [dplit_executable(), "fit", *resume, "--ckpt_path", str(trained)],
-        capture_output=True, text=True, env=user_environment(), timeout=600, check=False,
-    )  # fmt: skip
-    errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
-    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "the training set has 240 rows, but the checkpoint's run trained on 200" in errors[0]
-    assert "δ=" not in errors[0] and not list((tmp_path / "resumed").rglob("*.ckpt"))
+    error = refusal_line(run_dplit("fit", *resume, "--ckpt_path", str(trained)))
+    assert "the training set has 240 rows, but the checkpoint's run trained on 200" in error
+    assert "δ=" not in error and not list((tmp_path / "resumed").rglob("*.ckpt"))
 
 
 def test_a_folder_given_as_ckpt_path_is_called_a_folder(tmp_path: Path) -> None:
     for command in (["fit", *quickstart_args(tmp_path / "run", *steps(1))], ["export", "--output_dir", str(tmp_path / "out")]):
-        result = subprocess.run(
-            [dplit_executable(), *command, "--ckpt_path", str(tmp_path)],
-            capture_output=True, text=True, env=user_environment(), timeout=600, check=False,
-        )  # fmt: skip
-        errors = [line for line in result.stderr.splitlines() if line.startswith("dplit: error:")]
-        assert result.returncode == 2 and len(errors) == 1, result.stderr
-        assert f"--ckpt_path {tmp_path}: is a folder" in errors[0]
+        assert f"--ckpt_path {tmp_path}: is a folder" in refusal_line(run_dplit(*command, "--ckpt_path", str(tmp_path)))
