@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import signal
 import subprocess
@@ -31,6 +30,7 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import report  # noqa: E402
+from benchmarks.machine import child_environment, git_info, machine_info  # noqa: E402
 from benchmarks.step import MODELS, PRECISIONS, PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -128,59 +128,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def cpu_model_and_memory() -> tuple[str, int]:
-    """This machine's CPU model name (``"unknown"`` when not listed) and total memory in KiB, from /proc."""
-    cpu_model = "unknown"
-    with open("/proc/cpuinfo") as cpuinfo:
-        for line in cpuinfo:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as meminfo:
-        total_kib = int(next(line for line in meminfo if line.startswith("MemTotal")).split()[1])
-    return cpu_model, total_kib
-
-
-def machine_info(threads: int, device: str) -> dict[str, Any]:
-    """CPU model, cores, memory, library versions, GPU (asked of a throwaway child so this process stays small)."""
-    probe = (
-        "import json, torch, transformers, opacus\n"
-        f"t = {threads}\n"
-        "if t: torch.set_num_threads(t)\n"
-        f"dev = {device!r}\n"
-        "cuda = torch.cuda.is_available() and dev != 'cpu'\n"
-        "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__,\n"
-        "  'opacus': opacus.__version__, 'torch_threads': torch.get_num_threads(),\n"
-        "  'cuda_device': torch.cuda.get_device_name() if cuda else None,\n"
-        "  'cuda_version': torch.version.cuda if cuda else None}))\n"
-    )
-    versions = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                         check=True).stdout.strip().splitlines()[-1])
-    cpu_model, total_kib = cpu_model_and_memory()
-    return {
-        "cpu_model": cpu_model,
-        "logical_cpus": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": total_kib / 2**20,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        **versions,
-    }
-
-
-def git_info() -> dict[str, Any]:
-    """HEAD and whether dplit/ differed from it (the benchmark measures the working tree's dplit)."""
-
-    def git(*command: str) -> str:
-        done = subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    head = git("rev-parse", "--short", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--", "dplit"))
-    return {"head": head, "dplit_uncommitted_changes": dirty,
-            "describe": head + (" + uncommitted changes in dplit/" if dirty else "")}
-
-
 def machine_busy(seconds: float = 1.0) -> float:
     """Fraction of the machine's CPUs busy over the next ``seconds`` (0..1)."""
     busy0, total0 = cpu_jiffies()
@@ -197,12 +144,6 @@ def wait_for_idle(max_wait: float, threshold: float = 0.15) -> float:
         time.sleep(4.0)
         busy = machine_busy()
     return busy
-
-
-def child_environment() -> dict[str, str]:
-    """This environment with the checkout first on PYTHONPATH (opacus 1.6 installs a top-level ``benchmarks``)."""
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def run_one(
@@ -289,8 +230,8 @@ def write_partial(results: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
-    machine = machine_info(args.threads, args.device)
-    git_at_start = git_info()  # the dplit that the configurations import (re-checked at the end)
+    machine = machine_info(threads=args.threads, device=args.device)
+    git_at_start = git_info("dplit")  # the dplit that the configurations import (re-checked at the end)
     print(f"machine: {report.machine_line(machine)}", flush=True)
     previous: list[dict[str, Any]] = []
     earlier_runs: list[dict[str, Any]] = []
@@ -328,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{row['status']} {timing} {memory} {row.get('message', '')[:120]}", flush=True)
     results = {**assemble(args, header, previous, earlier_runs, rows, time.perf_counter() - suite_start),
                "complete": True}
-    git_at_end = git_info()
+    git_at_end = git_info("dplit")
     if git_at_end != git_at_start:
         git_at_start["changed_during_run"] = git_at_end["describe"]  # the same dict as this run's entry in "runs"
         print(f"warning: dplit changed during the run ({git_at_start['describe']} -> "

@@ -53,11 +53,10 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import tying  # noqa: E402
+from benchmarks.machine import git_info, machine_info  # noqa: E402
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_arm, run_process  # noqa: E402
-from benchmarks.study.record import (  # noqa: E402
-    ROOT, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
-)
+from benchmarks.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json  # noqa: E402
 
 LM_CONFIG = "configs/smollm2_lm.yaml"
 CONTROL_PROMPTS = {"0": "Write a negative movie review:\n", "1": "Write a positive movie review:\n"}
@@ -582,7 +581,8 @@ def main(argv: list[str] | None = None) -> None:
         "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
         "settings": {k: getattr(args, k) for k in PROFILES["default"]} | {"profile": args.profile,
                                                                         "control_prompts": CONTROL_PROMPTS},
-        "training_subset": sst2.subset_description(args, sources), "runs": [], "wall_s": 0.0, "complete": False,
+        "training_subset": sst2.subset_description(args, sources, args.train_examples),
+        "runs": [], "wall_s": 0.0, "complete": False,
     }
     print(f"{len(runs)} runs; profile {args.profile}; {results['training_subset']['rule']}; out {relative(args.out)}",
           flush=True)

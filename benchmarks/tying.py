@@ -59,11 +59,18 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine import git_info, machine_info  # noqa: E402
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_all  # noqa: E402
 from benchmarks.study.paired import paired_statistics, seeds_for_half_width  # noqa: E402
 from benchmarks.study.record import (  # noqa: E402
-    ROOT, code_version, git_info, machine_info, machine_line, mean_std, plus_minus, relative, write_json,
+    ROOT,
+    code_version,
+    machine_line,
+    mean_std,
+    plus_minus,
+    relative,
+    write_json,
 )
 
 TIED, UNTIED, LORA = (f"configs/smollm2_sst2_{name}.yaml" for name in ("tied", "untied", "lora"))

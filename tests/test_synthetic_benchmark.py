@@ -155,3 +155,21 @@ def test_the_pipelines_commands_mean_what_the_study_says_to_dplits_parsers(tmp_p
     assert synthetic["data"]["data_dir"] == str(tmp_path / "synthetic")  # never the private rows
     assert synthetic["data"]["max_train_examples"] is None and synthetic["non_private"] is True
     assert synthetic["model"]["lr"] == args.synthetic_lr and synthetic["trainer"]["strategy"] == "auto"
+
+
+def test_every_benchmark_and_study_records_the_machine_and_commit_and_starts_children_with_one_function() -> None:
+    import benchmarks.audit
+    import benchmarks.run
+    import benchmarks.tying
+    from benchmarks import machine, synthetic
+    from benchmarks.study import arm, record, sst2
+
+    for module in (benchmarks.run, synthetic, benchmarks.tying, benchmarks.audit, record):
+        assert module.machine_info is machine.machine_info and module.git_info is machine.git_info, module.__name__
+    for module in (benchmarks.run, arm, sst2):
+        assert module.child_environment is machine.child_environment, module.__name__
+    git = machine.git_info("dplit")
+    assert set(git) == {"commit", "uncommitted_changes", "describe"} and git["describe"].startswith(git["commit"][:12])
+    assert {"cpu_model", "logical_cpus", "memory_gib", "gpu", "torch", "transformers", "opacus"} <= set(
+        machine.machine_info()
+    )

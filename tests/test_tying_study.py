@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from benchmarks.machine import child_environment
 from benchmarks.study import sst2
-from benchmarks.study.arm import child_environment
 from benchmarks.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
 from benchmarks.tying import Study, chosen_lr, grid_runs, parse_args, recorded_rows, settings_key
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings

@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import child_environment
 from benchmarks.study.record import ROOT, relative
 
 try:
@@ -156,39 +156,6 @@ def _cpu_seconds() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-def child_environment(threads: int = 0) -> dict[str, str]:
-    """This environment with the checkout first on PYTHONPATH (opacus 1.6 installs a top-level ``benchmarks``).
-
-    With ``threads`` > 0 also OMP_NUM_THREADS: Lightning's DDP-based strategies (DPStrategy is one) otherwise reset
-    torch's thread count to cpu_count // processes on CPU, whatever ``torch.set_num_threads`` said before.
-    Each call also gives the child a free MASTER_PORT of its own and none of this process' torch.distributed
-    variables: DPStrategy opens a process group even on one device, and arms running side by side (``--jobs``), or
-    started from a process that already ran one (Lightning exports MASTER_PORT), would otherwise bind one port.
-    """
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
-    environment = {**inherited, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1",
-                   "MASTER_PORT": str(_free_port())}
-    if threads > 0:
-        environment["OMP_NUM_THREADS"] = str(threads)
-    return environment
-
-
-DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
-                         "LOCAL_WORLD_SIZE")
-"""torch.distributed's environment, which a study's arm never inherits (each arm is a process group of one)."""
-
-
-def _free_port() -> int:
-    """A TCP port the operating system reports free now (it hands out distinct ones to calls close in time).
-
-    Not Lightning's ``find_free_network_port``: that returns ``STANDALONE_PORT`` when set, one port for every arm.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 _RUNNING: list[subprocess.Popen] = []

@@ -1,52 +1,27 @@
-"""What every study records beside its numbers: machine, commit, mean ± std, and results written atomically."""
+"""What every study records beside its numbers: machine and commit (:mod:`benchmarks.machine`), mean ± std, and
+results written atomically."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run import cpu_model_and_memory
+from benchmarks.machine import ROOT, git_info, machine_info, version
 
-ROOT = Path(__file__).resolve().parents[2]
-"""The repository root (where studies run their arms and resolve relative paths)."""
+__all__ = ["ROOT", "code_version", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus", "relative",
+           "version", "write_json"]
 
 
 def relative(path: Path) -> str:
     """``path`` relative to the repository root when it lies inside it, else absolute."""
     path = path.resolve()
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
-def version(package: str) -> str | None:
-    """The installed version of ``package`` (``None``: not installed)."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    """CPU, memory, GPU (from nvidia-smi), platform and the versions of the packages a study depends on."""
-    cpu_model, total_kib = cpu_model_and_memory()
-    versions = {package: version(package) for package in ("torch", "transformers", "lightning", "opacus", "peft", "gguf")}
-    gpu = None
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=20, check=False)
-        gpu = done.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return {"cpu_model": cpu_model, "logical_cpus": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
-            "memory_gib": round(total_kib / 2**20, 1), "gpu": gpu, "platform": platform.platform(),
-            "python": platform.python_version(), **versions}
 
 
 def machine_line(results: dict[str, Any]) -> str:
@@ -59,17 +34,6 @@ def machine_line(results: dict[str, Any]) -> str:
         f"dplit commit `{results['git']['commit'][:12]}`"
         + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
     )
-
-
-def git_info(*paths: str) -> dict[str, Any]:
-    """The commit, and the uncommitted changes under ``paths`` (what the study's numbers depend on)."""
-
-    def git(*command: str) -> str:
-        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-
-    head = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--", *paths)
-    return {"commit": head, "uncommitted_changes": dirty.splitlines() if dirty else []}
 
 
 def code_version(*paths: str) -> str:

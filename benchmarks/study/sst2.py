@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study.arm import child_environment
+from benchmarks.machine import child_environment
 from benchmarks.study.record import ROOT, relative, version
 
 HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
