@@ -25,10 +25,13 @@ validated once after training on the whole GLUE dev split (872 rows unless ``--e
 compared per seed (:mod:`benchmarks.study.paired`: mean, paired-t interval, sign test, verdict). Runs go in priority
 order, ``--jobs`` at a time: full fine-tuning at each scale with its non-private reference, then LoRA.
 
-The study resumes: each arm is recorded in ``results.json`` as it ends, with a fingerprint (its dplit command, paths
-left out, and the last commit that changed ``dplit/`` or ``configs/``); a rerun with the same settings skips every arm
-already recorded with the same fingerprint and drops rows recorded under other settings or code. So the grid can span
-several sittings (``--fresh`` starts over). Each arm is ``dplit``'s own CLI in its own process
+The study resumes: each arm is recorded in ``results.json`` as it ends, with a fingerprint: the reviewed study code
+version (:data:`benchmarks.study.version.STUDY_CODE_VERSION`, not the git history of ``dplit/``, so moving code keeps
+the grid), a digest of its config's content and its dplit command without this machine's paths (classes by name);
+:mod:`benchmarks.study.version` says what keeps and what invalidates a recorded arm. A rerun with the same settings
+skips every arm already recorded with the same fingerprint and drops rows recorded under other settings or code
+(rows of an older format are migrated as they are read: :func:`migrate_record`). So the grid can span several
+sittings (``--fresh`` starts over). Each arm is ``dplit``'s own CLI in its own process
 (:mod:`benchmarks.study.arm`). ``results.json`` (every run, the summary, sittings, machine, commit), ``table.md`` and
 ``chart.png`` go to ``--out`` (default ``benchmarks/results/tying/``); Lightning logs and each arm's output to
 ``--logs`` (default ``benchmarks/out/tying/``, git-ignored).
@@ -63,14 +66,14 @@ from benchmarks.machine import git_info, machine_info  # noqa: E402
 from benchmarks.study import sst2  # noqa: E402
 from benchmarks.study.arm import install_stop_handlers, run_all  # noqa: E402
 from benchmarks.study.paired import paired_statistics, seeds_for_half_width  # noqa: E402
-from benchmarks.study.record import (  # noqa: E402
-    ROOT,
-    code_version,
-    machine_line,
-    mean_std,
-    plus_minus,
-    relative,
-    write_json,
+from benchmarks.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json  # noqa: E402
+from benchmarks.study.version import (  # noqa: E402
+    STUDY_CODE_VERSION,
+    config_digest,
+    fingerprint,
+    migrate_fingerprint,
+    portable_command,
+    study_code_version,
 )
 
 TIED, UNTIED, LORA = (f"configs/smollm2_sst2_{name}.yaml" for name in ("tied", "untied", "lora"))
@@ -107,8 +110,6 @@ COLORS = {"zero_shot": "#999999", "non_private": "#4c72b0", "dp_tied": "#dd8452"
 
 GIT_PATHS = ("dplit", "configs", "benchmarks/tying.py", "benchmarks/study")
 """What the study's numbers depend on: uncommitted changes there are recorded."""
-CODE_PATHS = ("dplit", "configs")
-"""The code an arm's numbers come from (its fingerprint's code version; the rest is in its command line)."""
 NOISE_TEXT = {
     "common": ("common random numbers: both arms of a seed s run DPStrategy(seed=s), so they draw the same Poisson "
                "batches and the same noise on every parameter they share (an untied head's noise comes after), "
@@ -274,11 +275,6 @@ def chosen_lr(rows: list[dict[str, Any]], scale: int | None, candidates: list[fl
     return max(sorted(candidates), key=lambda lr: done[lr])
 
 
-def fingerprint(argv: list[str], replacements: dict[str, str], code: str) -> str:
-    """What makes two runs the same run: the dplit command (machine-specific paths replaced) and the code version."""
-    return json.dumps({"code": code, "command": [replacements.get(item, item) for item in argv]})
-
-
 def model_identity(sources: dict[str, Any]) -> str:
     """The checkpoint, named without this machine's paths: the GGUF file's name, else the hub name or folder."""
     return Path(sources["gguf_source"]).name if sources.get("gguf_source") else str(sources["pretrained"])
@@ -295,6 +291,53 @@ def recorded_rows(earlier: dict[str, Any], key: dict[str, Any]) -> tuple[list[di
     same = earlier.get("settings_key") == key
     kept = [r for r in rows if same and r.get("status") == "ok" and r.get("fingerprint")]
     return kept, len(rows) - len(kept)
+
+
+def migrate_record(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """``record`` (a results.json) in the current format, and how many row fingerprints were migrated.
+
+    Row fingerprints of format 1 become format 2 (:func:`benchmarks.study.version.migrate_fingerprint`). A settings key
+    without ``noise`` comes from before ``--noise`` existed, when every DP arm drew its noise and batches from OS
+    entropy: ``independent`` (its rows record ``"noise": "os_entropy"``). Nothing else (no number) changes.
+    """
+    key = dict(record.get("settings_key") or {})
+    if key and "noise" not in key:
+        key["noise"] = "independent"
+    runs, migrated = [], 0
+    for row in record.get("runs", []):
+        if row.get("fingerprint"):
+            new = migrate_fingerprint(row["fingerprint"])
+            migrated += new != row["fingerprint"]
+            row = {**row, "fingerprint": new}
+        runs.append(row)
+    return {**record, "settings_key": key, "runs": runs}, migrated
+
+
+def rerun_plan(record: dict[str, Any], argv: list[str], code: str = STUDY_CODE_VERSION) -> dict[str, list[str]]:
+    """What ``python -m benchmarks.tying ARGV`` would do with ``record`` as its results.json, at code version
+    ``code``: the names of the recorded rows it keeps (``kept``) and drops (``dropped``), of the runs it plans and
+    finds recorded (``skip``) and of those it would run (``run``).
+
+    Nothing runs and no data is read: the arms' sources are the ones ``record`` names (the fingerprints leave their
+    paths out). A complete grid rerun with the command that made it runs nothing.
+    """
+    args = parse_args(argv)
+    record, _ = migrate_record(record)
+    sources = record["sources"]
+    holdout = None
+    if "non_private" in args.arms and args.sweep_lrs:
+        total = (record.get("holdout") or {}).get("train_rows_total") or sst2.TRAIN_ROWS
+        holdout = {**sources, "data_dir": "<held-out>", "max_eval_examples": None, "train_rows_total": total}
+    study = Study(args, sources, holdout, code)
+    kept, _ = recorded_rows(record, settings_key(args, sources, code))
+    recorded = {r["fingerprint"] for r in kept}
+    planned = {"skip": [], "run": []}
+    for chunk in plan(args, lambda rows: chosen_lr(kept, rows, args.sweep_lrs) if args.sweep_lrs else args.lr):
+        for run in chunk:
+            planned["skip" if study.fingerprint(run) in recorded else "run"].append(run["name"])
+    kept_names = {r["name"] for r in kept}
+    dropped = [r["name"] for r in record.get("runs", []) if r["name"] not in kept_names]
+    return {"kept": sorted(kept_names), "dropped": sorted(dropped), **planned}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -340,6 +383,7 @@ class Study:
     def __init__(self, args: argparse.Namespace, sources: dict[str, Any], holdout: dict[str, Any] | None,
                  code: str) -> None:
         self.args, self.sources, self.holdout, self.code = args, sources, holdout, code
+        self.configs = {arm.config: config_digest(ROOT / arm.config) for arm in ARMS.values()}
         model = model_identity(sources) if sources.get("gguf_source") else "<model>"  # a folder's path is this machine's
         self.replacements = {str(sources["pretrained"]): model, str(sources["data_dir"]): "<sst2>"}
         if holdout is not None:
@@ -354,9 +398,11 @@ class Study:
         return dplit_args(self.args, self.holdout, {**run, "rows": rows}, log_dir)
 
     def fingerprint(self, run: dict[str, Any]) -> str:
-        """The fingerprint of ``run`` (its log folder and the machine's paths left out)."""
+        """The fingerprint of ``run``: the code version, its config's digest and its portable command (its log folder
+        and the machine's paths left out; :mod:`benchmarks.study.version`)."""
         folder = self.args.logs / run["name"]
-        return fingerprint(self.command(run, folder), {**self.replacements, str(folder): "<logs>"}, self.code)
+        command = portable_command(self.command(run, folder), {**self.replacements, str(folder): "<logs>"})
+        return fingerprint(self.code, self.configs[ARMS[run["arm"]].config], command)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -598,7 +644,8 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
 
 
 def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, Any], key: dict[str, Any],
-                kept: list[dict[str, Any]], earlier: dict[str, Any] | None) -> dict[str, Any]:
+                kept: list[dict[str, Any]], earlier: dict[str, Any] | None,
+                holdout: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study's record: earlier sittings' rows (same settings key) and this sitting's settings."""
     sitting = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                "command": "python -m benchmarks.tying " + shlex.join(argv), "machine": machine_info(),
@@ -609,6 +656,7 @@ def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, An
         "command": sitting["command"], "machine": sitting["machine"], "git": sitting["git"],
         "settings_key": key,
         "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
+        "holdout": {"train_rows_total": holdout["train_rows_total"]} if holdout else None,
         "settings": {k: getattr(args, k) for k in (
             "profile", "arms", "epsilons", "seeds", "train_examples", "epochs", "batch_size", "lr", "lora_lr",
             "sweep_lrs", "holdout_rows", "reference_seeds", "noise", "max_length", "eval_batch_size", "eval_examples",
@@ -689,7 +737,7 @@ def main(argv: list[str] | None = None) -> None:
     install_stop_handlers()
     sources = sst2.prepare(args)
     holdout = sst2.prepare_holdout(args, sources) if "non_private" in args.arms and args.sweep_lrs else None
-    code = code_version(*CODE_PATHS)
+    code = study_code_version()
     study = Study(args, sources, holdout, code)
     if args.dry_run:
         dry_run(args, study)
@@ -697,11 +745,16 @@ def main(argv: list[str] | None = None) -> None:
     key = settings_key(args, sources, code)
     path = args.out / "results.json"
     earlier = json.loads(path.read_text()) if path.is_file() and not args.fresh else None
+    if earlier:
+        earlier, migrated = migrate_record(earlier)
+        if migrated:
+            print(f"{relative(path)}: {migrated} fingerprint(s) of an older format read as format 2", flush=True)
     kept, dropped = recorded_rows(earlier, key) if earlier else ([], 0)
     if dropped:
         print(f"{relative(path)}: {dropped} earlier row(s) dropped (failed, or other settings or code: "
-              f"{'same' if earlier and earlier.get('settings_key') == key else 'different'} settings key)", flush=True)
-    results = new_results(args, argv, sources, key, kept, earlier)
+              f"{'same' if earlier and earlier.get('settings_key') == key else 'different'} settings key; this "
+              f"code: {code})", flush=True)
+    results = new_results(args, argv, sources, key, kept, earlier, holdout)
     print(f"profile {args.profile}; scales {[_rows_text(r) for r in args.train_examples]}; {len(kept)} arms already "
           f"recorded; {args.jobs} at a time; out {relative(args.out)}", flush=True)
     results["complete"] = run_study(args, study, results)

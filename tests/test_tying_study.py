@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 from fractions import Fraction
 from math import comb
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,24 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from benchmarks.machine import child_environment
 from benchmarks.study import sst2
 from benchmarks.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
-from benchmarks.tying import Study, chosen_lr, grid_runs, parse_args, recorded_rows, settings_key
+from benchmarks.study.version import (
+    STUDY_CODE_VERSION,
+    config_digest,
+    migrate_fingerprint,
+    portable_command,
+    study_code_version,
+)
+from benchmarks.tying import (
+    ARMS,
+    Study,
+    chosen_lr,
+    grid_runs,
+    migrate_record,
+    parse_args,
+    recorded_rows,
+    rerun_plan,
+    settings_key,
+)
 from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.model import CausalLMClassifier
 from dplit.privacy.engine import trainable_parameters
@@ -188,6 +207,107 @@ def test_a_fingerprint_holds_the_command_and_code_but_no_machine_path(tmp_path: 
     )
 
 
+def test_a_fingerprint_survives_moved_code_and_configs_but_not_a_changed_class_flag_or_value(tmp_path: Path) -> None:
+    recorded = ["fit", "--config", "configs/smollm2_sst2_lora.yaml", "--model.embeddings",
+                "dplit.embeddings.UntiedEmbeddings", "--trainer.callbacks",
+                '[{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "benchmarks.study.arm.StepTimer"}]',
+                "--model.pretrained", "SmolLM2-135M-Instruct.Q4_1.gguf", "--data.template", "Review: {sentence}",
+                "--trainer.strategy.init_args.max_grad_norm", "0.1"]  # fmt: skip
+    moved = [item.replace("configs/", "configs/studies/").replace("dplit.embeddings.", "dplit.tasks.embeddings.")
+             .replace("benchmarks.study.", "bench.study.") for item in recorded]  # fmt: skip
+    portable = portable_command(recorded, {})
+    assert portable_command(moved, {}) == portable
+    assert "UntiedEmbeddings" in portable and "Review: {sentence}" in portable and "StepTimer" in portable[6]
+    for changed in ("dplit.embeddings.TiedEmbeddings", "0.2", "--model.lr"):
+        other = [changed if item in ("dplit.embeddings.UntiedEmbeddings", "0.1") else item for item in recorded]
+        other = other if changed != "--model.lr" else [*recorded, "--model.lr", "0.001"]
+        assert portable_command(other, {}) != portable, changed
+    # a config by content: comments, layout and a class's module do not count; a value does
+    config = ROOT / "configs" / "smollm2_sst2_tied.yaml"
+    text = config.read_text()
+    rewritten = tmp_path / "rewrapped.yaml"
+    rewritten.write_text("# moved\n" + text.replace("dplit.strategy.DPStrategy", "dplit.privacy.dpsgd.DPStrategy"))
+    assert config_digest(rewritten) == config_digest(config)
+    rewritten.write_text(text.replace("max_grad_norm: 0.1", "max_grad_norm: 0.2"))
+    assert config_digest(rewritten) != config_digest(config)
+
+
+def git(folder: Path, *command: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command], cwd=folder, check=True,
+                   capture_output=True)  # fmt: skip
+
+
+def test_the_code_version_is_the_reviewed_one_whatever_was_committed_plus_uncommitted_changes(tmp_path: Path) -> None:
+    assert study_code_version(tmp_path) == STUDY_CODE_VERSION  # not a git checkout: nothing uncommitted to see
+    (tmp_path / "dplit").mkdir()
+    (tmp_path / "dplit" / "step.py").write_text("noise = 1\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", "dplit")
+    git(tmp_path, "commit", "-q", "-m", "first")
+    assert study_code_version(tmp_path) == STUDY_CODE_VERSION
+    (tmp_path / "dplit" / "step.py").write_text("noise = 2\n")
+    edited = study_code_version(tmp_path)
+    assert edited.startswith(STUDY_CODE_VERSION + "+uncommitted:")
+    (tmp_path / "dplit" / "new.py").write_text("x = 1\n")
+    assert study_code_version(tmp_path) not in (edited, STUDY_CODE_VERSION)
+    (tmp_path / "notes.txt").write_text("elsewhere\n")  # outside dplit/ and configs/: not the arms' code
+    git(tmp_path, "add", "-A")
+    git(tmp_path, "commit", "-q", "-m", "move and change")  # a commit alone changes nothing: the version is reviewed
+    assert study_code_version(tmp_path) == STUDY_CODE_VERSION
+
+
+COMMITTED = ROOT / "benchmarks" / "results" / "tying"
+GRIDS = [
+    ("results.json", [], True),
+    ("lora-lr5e-4/results.json", ["--arms", "lora_tied", "lora_untied", "--train-examples", "160", "--lora-lr", "5e-4"],
+     True),
+    ("independent-noise/results.json", ["--noise", "independent"], False),  # a partial grid, before --noise existed
+]  # fmt: skip
+"""Each committed grid, the command that reruns it and whether it is complete."""
+
+
+@pytest.mark.parametrize(("path", "argv", "complete"), GRIDS, ids=[grid[0] for grid in GRIDS])
+def test_every_arm_of_a_committed_grid_is_still_recorded_for_the_current_code(
+    path: str, argv: list[str], complete: bool
+) -> None:
+    """A rerun with the command of every sitting skips each recorded arm and, for a complete grid, runs nothing.
+
+    This fails when a change alters a recorded arm's fingerprint: if its numbers did not change (a move, a rename), the
+    fingerprint must not either (benchmarks/study/version.py); if they did, bump STUDY_CODE_VERSION and decide here
+    what becomes of the committed grid (rerun it, or keep it as the record of an older code version).
+    """
+    record = json.loads((COMMITTED / path).read_text())
+    names = {row["name"] for row in record["runs"]}
+    sittings = [[item for item in shlex.split(s["command"])[3:] if item != "--fresh"] for s in record["sittings"]]
+    skipped: set[str] = set()
+    for sitting in [argv] + (sittings if complete else []):
+        plan = rerun_plan(record, sitting)
+        assert plan["dropped"] == [] and set(plan["kept"]) == names, (sitting, plan["dropped"][:5])
+        assert not complete or plan["run"] == [], (sitting, plan["run"][:5])
+        skipped |= set(plan["skip"])
+    assert skipped == names  # every recorded arm is one the current code plans, with the fingerprint it recorded
+    if complete:
+        assert len(names) == len(record["runs"]) and record["complete"]
+
+
+def test_format_1_fingerprints_are_migrated_from_their_own_text() -> None:
+    record = json.loads((COMMITTED / "results.json").read_text())
+    row = next(r for r in record["runs"] if r["arm"] == "lora_untied")
+    old = json.loads(row["fingerprint"])
+    assert "format" not in old and old["code"] == STUDY_CODE_VERSION
+    new = json.loads(migrate_fingerprint(row["fingerprint"]))
+    assert new["format"] == 2 and new["config"] == config_digest(ROOT / ARMS["lora_untied"].config)
+    assert "UntiedEmbeddings" in new["command"] and "dplit.embeddings.UntiedEmbeddings" not in new["command"]
+    assert migrate_fingerprint(json.dumps(new)) == json.dumps(new)  # format 2 stays as it is
+    other = json.loads(migrate_fingerprint(json.dumps({**old, "code": "0" * 40})))
+    assert other["config"] is None  # a code version whose configs are not known: it matches no current arm
+    migrated, count = migrate_record(json.loads((COMMITTED / "independent-noise" / "results.json").read_text()))
+    assert count == 42 and migrated["settings_key"]["noise"] == "independent"  # no --noise then: OS entropy
+    dp = [r for r in migrated["runs"] if r["arm"].startswith("dp_")]
+    assert {r.get("noise") for r in dp} == {"os_entropy", None}  # None: recorded before the arms said
+    assert not any("--trainer.strategy.init_args.seed" in r["fingerprint"] for r in dp)
+
+
 def test_rows_of_other_settings_or_failed_rows_are_not_kept() -> None:
     args = parse_args([])
     sources = {"pretrained": "m", "gguf_file": None, "data_dir": None, "kind": "hub"}
@@ -214,7 +334,26 @@ def tiny_pretrained(tmp_path: Path, tiny_bpe_dir: Path) -> Path:
     return folder
 
 
+def checkout_copy(folder: Path) -> Path:
+    """This working tree's dplit/, configs/ and benchmarks/ (its results and outputs left out) in ``folder``.
+
+    The study runs there, so its three sittings run the same code even while dplit/ changes in a shared checkout (the
+    code version holds uncommitted changes: an edit between two sittings drops the recorded rows, as it should).
+    """
+
+    def ignore(directory: str, names: list[str]) -> list[str]:
+        top = Path(directory) == ROOT / "benchmarks"
+        return [name for name in names if name == "__pycache__" or (top and name in ("results", "out"))]
+
+    for name in ("dplit", "configs", "benchmarks"):
+        shutil.copytree(ROOT / name, folder / name, ignore=ignore)
+    return folder
+
+
 def study(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    checkout = tmp_path / "checkout"
+    if not checkout.is_dir():
+        checkout_copy(checkout)
     command = [sys.executable, "-m", "benchmarks.tying", "--pretrained", str(model), "--data-dir",
                str(tmp_path / "sst2"), "--train-examples", "16", "--batch-size", "8", "--epsilons", "8",
                "--arms", "dp_tied", "dp_untied", "non_private", "--sweep-lrs", "0.001", "0.01",
@@ -222,8 +361,20 @@ def study(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProce
                "--physical-batch-size", "8", "--timeout", "300", "--out", str(tmp_path / "out"), "--logs",
                str(tmp_path / "logs"), *extra]  # fmt: skip
     # as after an in-process DP run (Lightning exports MASTER_PORT): the arms, 2 at a time, must not share it
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), "MASTER_PORT": "29533", "MASTER_ADDR": "127.0.0.1"}
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=environment, check=False)
+    environment = {**os.environ, "PYTHONPATH": str(checkout), "MASTER_PORT": "29533", "MASTER_ADDR": "127.0.0.1"}
+    return subprocess.run(command, cwd=checkout, capture_output=True, text=True, timeout=900, env=environment,
+                          check=False)  # fmt: skip
+
+
+def failures(results: dict[str, Any], logs: Path) -> str:
+    """Why the runs that failed failed: their message and the end of their log (for an assertion's message)."""
+    lines = []
+    for row in results["runs"]:
+        if row.get("status") != "ok":
+            log = logs / row["name"] / "output.log"
+            tail = log.read_text(errors="replace")[-1500:] if log.is_file() else "(no log)"
+            lines.append(f"{row['name']}: {row.get('message')}\n{tail}")
+    return "\n".join(lines) or f"every run ok; complete={results['complete']}"
 
 
 def test_the_study_resumes_from_its_results_and_pairs_by_seed(tmp_path: Path, tiny_pretrained: Path) -> None:
@@ -239,7 +390,8 @@ def test_the_study_resumes_from_its_results_and_pairs_by_seed(tmp_path: Path, ti
         "rows16-sweep-lr0.01",
         "rows16-non_private-seed0",
     }
-    assert all(r["status"] == "ok" for r in names.values()) and results["complete"]
+    why = failures(results, tmp_path / "logs")
+    assert all(r["status"] == "ok" for r in names.values()) and results["complete"], why
     sweep = results["summary"]["sweep"][0]
     assert sweep["held_out_rows"] == 16 and sweep["train_rows"] == 16
     assert names["rows16-non_private-seed0"]["lr"] == sweep["chosen_lr"]
@@ -256,7 +408,9 @@ def test_the_study_resumes_from_its_results_and_pairs_by_seed(tmp_path: Path, ti
     more = study(tmp_path, tiny_pretrained, "--seeds", "0", "1")
     assert more.returncode == 0, more.stdout[-3000:]
     grown = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert grown["sittings"][2]["arms_run"] == 2  # only seed 1's pair: the sweep and the reference are recorded
+    # only seed 1's pair: the sweep and the reference are recorded
+    assert grown["sittings"][2]["arms_run"] == 2, failures(grown, tmp_path / "logs")
+    assert {json.loads(r["fingerprint"])["code"] for r in grown["runs"]} == {STUDY_CODE_VERSION}
     (cell,) = grown["summary"]["untied_minus_tied"]
     assert cell["n"] == 2 and cell["seeds"] == [0, 1] and cell["verdict"] in VERDICTS
     table = (tmp_path / "out" / "table.md").read_text()

@@ -3,19 +3,17 @@ results written atomically."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import statistics
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from benchmarks.machine import ROOT, git_info, machine_info, version
 
-__all__ = ["ROOT", "code_version", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus", "relative",
-           "version", "write_json"]
+__all__ = ["ROOT", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus", "relative", "version",
+           "write_json"]
 
 
 def relative(path: Path) -> str:
@@ -34,26 +32,6 @@ def machine_line(results: dict[str, Any]) -> str:
         f"dplit commit `{results['git']['commit'][:12]}`"
         + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
     )
-
-
-def code_version(*paths: str) -> str:
-    """The last commit that changed ``paths``, plus a digest of their uncommitted changes when there are any.
-
-    Two runs with the same code version ran the same code there, whatever else was committed in between.
-    """
-
-    def git(*command: str) -> str:
-        return subprocess.run(["git", *command], cwd=ROOT, capture_output=True, text=True, check=False).stdout
-
-    commit = git("log", "-1", "--format=%H", "--", *paths).strip()
-    dirty = git("status", "--porcelain", "--untracked-files=all", "--", *paths)
-    if not dirty:
-        return commit
-    untracked = [line[3:] for line in dirty.splitlines() if line.startswith("??")]
-    digest = hashlib.sha256(git("diff", "HEAD", "--", *paths).encode())
-    for name in sorted(untracked):
-        digest.update(name.encode() + b"\0" + (ROOT / name).read_bytes())
-    return f"{commit}+uncommitted:{digest.hexdigest()[:12]}"
 
 
 def mean_std(values: list[float | None]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ GGUF_DIR = "smollm2-135m-instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SST2_DIR = "glue/sst2"
 DEV_ROWS = 872
+TRAIN_ROWS = 67349
+"""Rows of GLUE SST-2's train.tsv (``--train-examples 0``: all of them)."""
 LABEL_WORDS = {"0": " negative", "1": " positive"}
 TEMPLATE = "Review: {sentence}\nSentiment:"  # as configs/smollm2_sst2_*.yaml: an instruct model's natural prompt
 
@@ -275,7 +277,8 @@ def sweep_train_rows(rows: int | None, holdout: dict[str, Any], holdout_rows: in
 def subset_description(args: argparse.Namespace, sources: dict[str, Any], rows: int | None) -> dict[str, Any]:
     """Which training rows a scale uses (the first ``rows``; ``None``: all), with their label balance when local."""
     info: dict[str, Any] = {
-        "rule": f"the first {rows} rows of SST-2 train" if rows else "the whole SST-2 train split (67,349 rows)",
+        "rule": f"the first {rows} rows of SST-2 train" if rows else
+                f"the whole SST-2 train split ({TRAIN_ROWS:,} rows)",
         "rows": rows,
         "dev_rows": args.eval_examples or DEV_ROWS,
         "dev_rule": "the whole SST-2 dev split" if not args.eval_examples else f"the first {args.eval_examples} dev rows",
