@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import difflib
+import json
 import math
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
 from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
@@ -21,6 +25,12 @@ from dplit.privacy.integrity import record_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
+
+BACKBONE_KEY = "dplit_backbone_config"
+"""The checkpoint entry holding the backbone's config (plain types): ``dplit export`` builds the model from it."""
+
+TOKENIZER_KEY = "dplit_tokenizer"
+"""The checkpoint entry holding the data's tokenizer as its ``save_pretrained`` files (name → bytes)."""
 
 
 class CausalLMModule(LightningModule):
@@ -126,10 +136,16 @@ class CausalLMModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the weights' privacy history, the classes, embedding policy and dplit commit (all ``dplit export``
-        needs), and seal the weights and the history with a digest (checked on resume and export)."""
-        checkpoint[RELEASE_KEY] = release_record(self, getattr(self._trainer, "datamodule", None))
+        """Record the weights' privacy history, the classes, embedding policy, dplit commit, backbone config and
+        tokenizer (all ``dplit export`` needs), and seal the weights and the history with a digest (checked on resume
+        and export; the config and tokenizer only shape the release, a post-processing of the weights)."""
+        datamodule = getattr(self._trainer, "datamodule", None)
+        checkpoint[RELEASE_KEY] = release_record(self, datamodule)
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
+        checkpoint[BACKBONE_KEY] = backbone_config(self.backbone)
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        if isinstance(tokenizer, PreTrainedTokenizerBase):
+            checkpoint[TOKENIZER_KEY] = tokenizer_files(tokenizer)
         record_digest(checkpoint, "state_dict")
         record_digest(checkpoint, HISTORY_KEY)
 
@@ -159,6 +175,18 @@ class CausalLMModule(LightningModule):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def backbone_config(backbone: PreTrainedModel) -> dict[str, Any]:
+    """The backbone's whole config (``to_dict``) in plain JSON types, as a ``weights_only`` checkpoint keeps it."""
+    return json.loads(backbone.config.to_json_string(use_diff=False))
+
+
+def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    """The files ``tokenizer.save_pretrained`` writes, by name (a few MB at most: ``tokenizer.json`` and its config)."""
+    with tempfile.TemporaryDirectory(prefix="dplit-tokenizer-") as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in sorted(Path(folder).iterdir()) if path.is_file()}
 
 
 def positions_of(attention_mask: Tensor) -> Tensor:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -13,8 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from dplit.cli import run_cli, run_lm_cli
 from dplit.data.corpus import build_corpus_tokenizer
+from dplit.data.tokenizer import load_tokenizer
 from dplit.embeddings import is_tied
-from dplit.module import positions_of
+from dplit.module import BACKBONE_KEY, TOKENIZER_KEY, positions_of
+from dplit.privacy.integrity import DIGEST_KEY
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
@@ -214,6 +219,75 @@ def test_lora_merges_by_default_and_adapter_only_loads_with_peft(tmp_path: Path)
         untouched = AutoModelForCausalLM.from_pretrained(str(base)).eval()(input_ids=ids).logits
     assert not torch.allclose(untouched, expected, atol=1e-4)  # the adapters moved: the test can fail
     assert json.loads((tmp_path / "adapter" / GUARANTEE_FILE).read_text())["adapters"] == "peft.LoraConfig"
+
+
+def local_base_run(tmp_path: Path, tokenizer_files: Path, *extra: str) -> tuple[object, Path]:
+    """One DP step of ``dplit lm fit`` on a local base folder (a random tiny GPT-2 and its tokenizer, both in
+    ``tmp_path / "base"``, which ``model.pretrained`` and ``data.tokenizer`` name) and a small text file."""
+    base, rows = tmp_path / "base", tmp_path / "train.jsonl"
+    tokenizer = load_tokenizer(tokenizer_files)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2, n_positions=64)
+    GPT2LMHeadModel(config).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    rows.write_text("".join(json.dumps({"text": f"It was a great movie, number {i}."}) + "\n" for i in range(40)))
+    cli = run_lm_cli([
+        "fit", *lm_args(tmp_path / "run", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1"),
+        "--model.config", "null", "--model.pretrained", str(base), "--data.tokenizer", str(base),
+        "--data.train_file", str(rows), "--data.val_file", str(rows), "--data.batch_size", "8",
+        "--model.sample_prompts", "[]", "--model.lr", "0.05", *extra,
+    ])  # fmt: skip
+    return cli, base
+
+
+@pytest.mark.parametrize("policy, peft", [("untied", None), ("tied", lora_on("c_attn", "c_fc"))], ids=["full", "lora"])
+def test_export_needs_nothing_but_the_checkpoint(
+    policy: str, peft: str | None, tmp_path: Path, tiny_bpe_dir: Path
+) -> None:
+    adapters = ["--model.peft", peft] if peft else []
+    cli, base = local_base_run(tmp_path, tiny_bpe_dir, "--model.embeddings", POLICIES[policy], *adapters)
+    checkpoint = checkpoint_of(tmp_path / "run")
+    shutil.rmtree(base)  # the base weights and the tokenizer files are gone: only the checkpoint is left
+    model, tokenizer = exported(checkpoint, tmp_path / "export")
+    trained = {
+        name.removeprefix("backbone."): weight
+        for name, weight in torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"].items()
+    }
+    weights = model.state_dict()
+    merged = {name for name in weights if peft and (".c_attn." in name or ".c_fc." in name)}  # LoRA folded in
+    assert weights.keys() - merged <= trained.keys()
+    assert all(torch.equal(weights[name], trained[name]) for name in weights.keys() - merged)
+    assert is_tied(model) == (policy == "tied") == model.config.tie_word_embeddings
+    text = "It was a great movie"
+    ids = torch.tensor([tokenizer.encode(text)])
+    assert ids.tolist()[0] == cli.datamodule.tokenizer.encode(text) and tokenizer.pad_token == tokenizer.eos_token
+    with torch.no_grad():
+        expected = cli.model.eval().backbone(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=TOLERANCE, rtol=TOLERANCE)
+
+
+def test_a_checkpoint_without_its_backbone_config_is_exported_from_its_base_model_as_before(
+    tmp_path: Path, tiny_bpe_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, base = local_base_run(tmp_path, tiny_bpe_dir, "--model.embeddings", POLICIES["untied"])
+    current = checkpoint_of(tmp_path / "run")
+    checkpoint = torch.load(current, map_location="cpu", weights_only=True)
+    assert {BACKBONE_KEY, TOKENIZER_KEY} <= checkpoint.keys()
+    assert not {BACKBONE_KEY, TOKENIZER_KEY} & checkpoint[DIGEST_KEY].keys()  # unsealed: dropping them breaks no digest
+    older = tmp_path / "older.ckpt"  # what the previous release wrote: the same checkpoint without the two entries
+    torch.save({key: value for key, value in checkpoint.items() if key not in (BACKBONE_KEY, TOKENIZER_KEY)}, older)
+    with caplog.at_level(logging.INFO):
+        export_checkpoint(older, tmp_path / "from_base")
+    assert f"loading its base model model.pretrained={str(base)!r} again" in caplog.text
+    export_checkpoint(current, tmp_path / "self_contained")
+    files = sorted(path.name for path in (tmp_path / "from_base").iterdir())
+    assert files == sorted(path.name for path in (tmp_path / "self_contained").iterdir())
+    for name in files:  # weights, config, tokenizer, card and guarantee alike
+        assert (tmp_path / "from_base" / name).read_bytes() == (tmp_path / "self_contained" / name).read_bytes(), name
+    shutil.rmtree(base)
+    with pytest.raises(ValueError, match=rf"^model.pretrained={re.escape(repr(str(base)))}: the folder does not exist"):
+        export_checkpoint(older, tmp_path / "no_base")
+    assert not (tmp_path / "no_base").exists()
 
 
 def test_adapter_only_is_refused_when_the_embedding_was_trained_too(tmp_path: Path, tiny_bpe_dir: Path) -> None:

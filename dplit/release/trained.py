@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pickle
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +13,11 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import PreTrainedTokenizerBase
+from lightning.pytorch.utilities import rank_zero_info
+from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dplit.embeddings import EmbeddingPolicy
-from dplit.module import CausalLMModule
+from dplit.module import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
 from dplit.privacy.history import history_in_checkpoint
 from dplit.privacy.integrity import check_digests
 from dplit.release.guarantee import guarantee_of
@@ -44,6 +46,10 @@ class TrainedModel:
 def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, flag: str = "--ckpt_path") -> TrainedModel:
     """Rebuild the module of a dplit checkpoint from its hyperparameters and load its weights (nothing is trained).
 
+    A checkpoint that carries its backbone's config and tokenizer (dplit writes both) needs nothing else: the
+    backbone is built from the config (random weights, never the base model's) and takes the checkpoint's weights.
+    An older checkpoint is rebuilt as it was trained, from ``model.pretrained`` and ``data.tokenizer``.
+
     Args:
         ckpt_path: a checkpoint written by ``dplit fit`` or ``dplit lm fit``.
         config: the run's YAML config, for a checkpoint without dplit's release record (its ``model.embeddings``).
@@ -59,15 +65,89 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
     record = checkpoint.get(RELEASE_KEY) or _record_from_config(ckpt_path, config, checkpoint, flag)
     hparams = dict(checkpoint["hyper_parameters"])
     data_hparams = dict(checkpoint.get("datamodule_hyper_parameters") or {})
-    module_class = _imported(record["module"])
-    accepted = inspect.signature(module_class).parameters
-    arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
-    module = module_class(**arguments, embeddings=_policy(record["embeddings"]))
+    module = _rebuilt(_imported(record["module"]), hparams, _policy(record["embeddings"]), checkpoint.get(BACKBONE_KEY))
     module.load_state_dict(checkpoint["state_dict"], strict=True)
     module.privacy_history = history_in_checkpoint(checkpoint)
-    datamodule_class = _imported(record.get("datamodule") or DATAMODULES[_kind(hparams)])
-    tokenizer = datamodule_class.tokenizer_for(data_hparams)
+    if TOKENIZER_KEY in checkpoint:
+        tokenizer = saved_tokenizer(checkpoint[TOKENIZER_KEY], data_hparams, source=f"{flag} {ckpt_path}")
+    else:
+        datamodule_class = _imported(record.get("datamodule") or DATAMODULES[_kind(hparams)])
+        tokenizer = datamodule_class.tokenizer_for(data_hparams)
     return TrainedModel(module.eval(), tokenizer, guarantee_of(checkpoint), hparams, data_hparams)
+
+
+def _rebuilt(
+    module_class: type[CausalLMModule],
+    hparams: dict[str, Any],
+    policy: EmbeddingPolicy,
+    backbone_config: dict[str, Any] | None,
+) -> CausalLMModule:
+    """The module of a checkpoint, built by its constructor before the checkpoint's weights are loaded into it.
+
+    With the checkpoint's ``backbone_config`` the backbone is built from that config (``from_config``, as for
+    ``model.config``) instead of ``model.pretrained``/``model.gguf_file``; the embedding policy, adapters and head
+    are the run's. Without it (a checkpoint of an older dplit), the base model is loaded again, as in training.
+    """
+    accepted = inspect.signature(module_class).parameters
+    arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
+    if backbone_config is not None:
+        arguments.update(pretrained=None, gguf_file=None, config=config_arguments(backbone_config), vocab_size=None)
+    elif arguments.get("pretrained") is not None:
+        rank_zero_info(
+            f"the checkpoint holds no backbone config (written by an older dplit): loading its base model "
+            f"model.pretrained={arguments['pretrained']!r} again to rebuild it"
+        )
+    module = module_class(**arguments, embeddings=policy)
+    if backbone_config is not None:
+        restore_metadata(module.backbone.config, backbone_config)
+    return module
+
+
+NOT_ARCHITECTURE = ("transformers_version", "quantization_config")
+"""Saved config entries that describe where the weights came from, not the model: left out when rebuilding (a GGUF
+base's ``quantization_config`` included: dplit trained and saved its dequantised weights)."""
+
+
+def config_arguments(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's backbone config as ``model.config`` keyword arguments: the fields its family's config declares.
+
+    Private entries (``_name_or_path``), :data:`NOT_ARCHITECTURE` and keys the family's config class does not
+    declare (metadata a hub or GGUF config carried, which the family's model never reads) are left out.
+    """
+    family = CONFIG_MAPPING[saved["model_type"]] if saved.get("model_type") in CONFIG_MAPPING else None
+    declared = set(family().to_dict()) if family is not None else set(saved)
+    return {
+        key: value
+        for key, value in saved.items()
+        if key in declared and not key.startswith("_") and key not in NOT_ARCHITECTURE
+    }
+
+
+def restore_metadata(config: PretrainedConfig, saved: dict[str, Any]) -> None:
+    """Put back the saved entries :func:`config_arguments` left out (a hub or GGUF config's metadata, such as
+    ``unk_token_id``): the exported ``config.json`` is the one the base model gave, less :data:`NOT_ARCHITECTURE`."""
+    present = config.to_dict()
+    for key, value in saved.items():
+        if key not in present and key not in NOT_ARCHITECTURE:
+            setattr(config, key, value)
+
+
+def saved_tokenizer(files: dict[str, bytes], data_hparams: dict[str, Any], *, source: str) -> PreTrainedTokenizerBase:
+    """The tokenizer a checkpoint carries (its ``save_pretrained`` files), padding on the data's side.
+
+    Raises:
+        ValueError: naming ``source`` for a file name that is not a plain name (it would be written elsewhere).
+    """
+    with tempfile.TemporaryDirectory(prefix="dplit-tokenizer-") as folder:
+        for name, content in files.items():
+            if not isinstance(content, bytes) or Path(name).name != name or name in ("", ".", ".."):
+                raise ValueError(f"{source}: its tokenizer entry holds {name!r}, which is not a tokenizer file")
+            (Path(folder) / name).write_bytes(content)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = data_hparams.get("padding_side", "right")
+    return tokenizer
 
 
 def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
