@@ -1,28 +1,31 @@
-"""Deliberately broken DP mechanisms for the audit to catch (used only by tests, through ``--trainer.strategy``)."""
+"""Deliberately broken DP mechanisms for the audit to catch (used only by tests, through ``--trainer.strategy``).
+
+Each attaches to the shipped DP-SGD object through its public hooks (or replaces a public factory), as any
+extension would: none overrides a private method or touches a private attribute.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from dplit.audit.strategy import CanaryDPStrategy
 from dplit.privacy import build_engine
+from dplit.privacy.dpsgd import DPSGD
+from dplit.privacy.engine import ClippingEngine
 
 
 class HalfNoise(CanaryDPStrategy):
-    """Draws the noise with std 0.5·σC while the accountant counts σ."""
+    """Releases the noise at std 0.5·σC while the accountant counts σ: doubles the clipped sum (canaries included)
+    before the noise and halves the noisy sum after it."""
 
     @override
-    def _global_noisy_sum(self, stop: bool) -> None:
-        sigma = self._noise_multiplier
-        assert sigma is not None
-        self._noise_multiplier = sigma / 2
-        try:
-            super()._global_noisy_sum(stop)
-        finally:
-            self._noise_multiplier = sigma
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.dpsgd.register_before_noise_hook(lambda _, clipped_sum: clipped_sum.mul_(2.0))
+        self.dpsgd.register_after_noise_hook(lambda _, noisy_sum: noisy_sum.div_(2.0), prepend=True)
 
 
 class RealisedBatchDivisor(CanaryDPStrategy):
@@ -37,12 +40,14 @@ class RealisedBatchDivisor(CanaryDPStrategy):
         self._realised = next(iter(args[0].values())).shape[0]
         return super().training_step(*args, **kwargs)
 
-    @property
     @override
-    def expected_batch_size(self) -> float:
-        if self._canaries is None:  # before the first step
-            return super().expected_batch_size
-        return float(max(1, self._realised + self.canaries.sampled_last_step))
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.dpsgd.register_after_noise_hook(self._rescale, prepend=True)  # before the canaries are scored
+
+    def _rescale(self, dpsgd: DPSGD, noisy_sum: Tensor) -> None:
+        realised = max(1, self._realised + self.canaries.sampled_last_step)
+        noisy_sum.mul_(dpsgd.expected_batch_size / realised)  # DP-SGD then divides by q·N
 
 
 class UnclippedCanaries(CanaryDPStrategy):
@@ -61,6 +66,5 @@ class NoClipping(CanaryDPStrategy):
         return 100 * self.max_grad_norm
 
     @override
-    def setup(self, trainer: Any) -> None:
-        super().setup(trainer)
-        self._engine = build_engine(self._clipping, self.lightning_module, max_grad_norm=1e6)
+    def make_clipping_engine(self, module: nn.Module) -> ClippingEngine:
+        return build_engine(self.settings.clipping, module, max_grad_norm=1e6)

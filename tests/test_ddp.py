@@ -27,7 +27,8 @@ from typing_extensions import override
 
 from dplit.privacy.accountant import default_delta
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
-from dplit.strategy import CHECKPOINT_KEY, DPStrategy
+from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
 
@@ -151,7 +152,7 @@ def fit_one_process(
     }
     strategy = ReplayStrategy(batches, **settings) if batches is not None else DPStrategy(**settings)
     if noise_seeds is not None:
-        source = strategy._noise_source
+        source = strategy.noise_source
         seed_of = source.seed
 
         def recorded(stream: str, *, steps: int) -> int:

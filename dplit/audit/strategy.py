@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
+from torch import Tensor
 from typing_extensions import override
 
 from dplit.audit.canaries import GradientCanaries
+from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.engine import trainable_parameters
 from dplit.strategy import DPStrategy
 
@@ -17,8 +19,8 @@ class CanaryDPStrategy(DPStrategy):
     """DP-SGD with m gradient canaries that take part in every step as m more examples would.
 
     Each included canary is Poisson-sampled at the run's rate q every step and its gradient (a Dirac of norm C) is
-    added to the clipped sum before the noise, on rank 0 (where the noise is drawn); after the step, the released
-    noisy sum (the published gradient times q·N) is read at every canary's coordinate. Nothing else changes.
+    added to the clipped sum before the noise, on rank 0 (where the noise is drawn); the released noisy sum is read
+    at every canary's coordinate. Both happen through DP-SGD's public hooks: nothing else changes.
 
     Args:
         canaries: m, the number of gradient canaries.
@@ -48,26 +50,24 @@ class CanaryDPStrategy(DPStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Set up as DPStrategy does, then place the canaries among the trainable coordinates (refusing too many)."""
+        """Set up as DPStrategy does, place the canaries among the trainable coordinates, and attach them to DP-SGD."""
         super().setup(trainer)
         size = sum(parameter.numel() for parameter in trainable_parameters(self.lightning_module).values())
         generator = torch.Generator().manual_seed(self._canary_seed)
         self._canaries = GradientCanaries.place(
             self._canary_count, size=size, norm=self.canary_norm(), generator=generator
         )
+        self.dpsgd.register_before_noise_hook(self._add_canaries)
+        self.dpsgd.register_after_noise_hook(self._score_canaries)
 
-    @override
-    def _global_noisy_sum(self, stop: bool) -> None:
-        """Add the sampled canaries to the clipped sum (rank 0), then noise and all-reduce it as DPStrategy does."""
-        assert self._buffer is not None and self._sample_rate is not None
-        if self.is_global_zero:
-            generator = self._noise_source.generator("canaries", steps=self._ledger.steps, device=torch.device("cpu"))
-            self.canaries.add_sampled(self._buffer.flat, sample_rate=self._sample_rate, generator=generator)
-        super()._global_noisy_sum(stop)
+    def _add_canaries(self, dpsgd: DPSGD, clipped_sum: Tensor) -> None:
+        """Add the canaries Poisson-sampled this step to the clipped sum, on rank 0 (where the noise is drawn)."""
+        if dpsgd.world.rank != 0:
+            return
+        assert dpsgd.sample_rate is not None
+        generator = dpsgd.noise_source.generator("canaries", steps=dpsgd.steps, device=torch.device("cpu"))
+        self.canaries.add_sampled(clipped_sum, sample_rate=dpsgd.sample_rate, generator=generator)
 
-    @override
-    def _privatize(self) -> None:
-        """Take the DP step, then score the canaries on the released noisy sum."""
-        super()._privatize()
-        assert self._buffer is not None and self._sample_rate is not None and self._dataset_size is not None
-        self.canaries.observe(self._buffer.flat, scale=self._sample_rate * self._dataset_size)
+    def _score_canaries(self, dpsgd: DPSGD, noisy_sum: Tensor) -> None:
+        """Score every canary on the released noisy sum (before the division by qN)."""
+        self.canaries.observe(noisy_sum, scale=1.0)

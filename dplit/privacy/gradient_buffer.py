@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import Tensor, nn
 
@@ -32,6 +35,24 @@ class GradientBuffer:
     def extra(self) -> Tensor:
         """The scalar slots after the gradients."""
         return self.flat[self._total :]
+
+    @property
+    def gradients(self) -> Tensor:
+        """The gradient entries (every parameter's, flat, in order), without the extra slots."""
+        return self.flat[: self._total]
+
+    @contextmanager
+    def receiving(self) -> Iterator[GradientBuffer]:
+        """Zero the buffer; inside, every ``param.grad`` is a view into it, so gradients summed there land here.
+
+        On exit, gradients held outside the buffer (parameters of another dtype) are folded in and every ``grad``
+        is ``None`` again: nothing of the clipped sum is left where an optimizer could step on it unnoised.
+        """
+        self.attach()
+        try:
+            yield self
+        finally:
+            self.detach()
 
     def attach(self) -> None:
         """Zero the buffer and make every matching-dtype parameter's ``grad`` a view into it."""

@@ -1,0 +1,530 @@
+"""DPSGD: DP-SGD (Abadi et al. 2016, Algorithm 1) as a few named calls on one plain object, without Lightning.
+
+One logical batch is one DP step::
+
+    dpsgd = DPSGD(model, DPSGDSettings(max_grad_norm=1.0, noise_multiplier=1.0), history=PrivacyHistory())
+    loader = dpsgd.sample(loader)                  # Poisson batches: each example joins with rate q = B / N
+    dpsgd.start(planned_steps=len(loader))         # δ, σ (calibrated for a target ε), the ledger, the budget
+    for batch in loader:
+        dpsgd.clip(model.per_example_loss, batch)  # Σ_i min(1, C/‖g_i‖)·g_i into the gradient buffer
+        stop = dpsgd.release()                     # + N(0, σ²C²) once, ÷ qN, account: every param.grad is set
+        optimizer.step()
+        if stop:                                   # the next step would spend more than the target ε
+            break
+
+Two public hooks let audits and benchmarks attach without subclassing: :meth:`DPSGD.register_before_noise_hook`
+(sees the clipped sum, before the noise) and :meth:`DPSGD.register_after_noise_hook` (sees the noisy sum that is
+released, before the division by qN). Under data parallelism (a :class:`~dplit.privacy.world.World` of several
+ranks) each rank clips its own Poisson shard, rank 0 draws the noise and writes the ledger, and one all-reduce
+carries the sums, the noise and rank 0's stop decision.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
+
+from dplit.privacy import GhostEngine, build_engine
+from dplit.privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
+from dplit.privacy.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
+from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
+from dplit.privacy.gradient_buffer import GradientBuffer
+from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.ledger import RunLedger, ledger_folders
+from dplit.privacy.noise import NoiseSource
+from dplit.privacy.sampling import poisson_loader
+from dplit.privacy.self_check import check_ghost_norms
+from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
+from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.privacy.world import SingleProcess, World
+
+log = logging.getLogger(__name__)
+
+SumHook = Callable[["DPSGD", Tensor], None]
+"""``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
+that writes to it changes what is released (only an audit's canaries, or its deliberately broken mechanisms, do)."""
+NO_NOISE_WARNING = (
+    f"{FLAG_OWNER}.noise_multiplier=0: NO NOISE is added, so this run is NOT differentially private (ε = ∞); "
+    "clipping alone protects nothing"
+)
+
+
+class DPSGD:
+    """Per-example clipping, Poisson sampling, noise once per logical batch, and the privacy ledger of one run.
+
+    Args:
+        module: the model; its trainable parameters are privatised (one no rule covers is refused by name).
+        settings: the run's knobs, validated.
+        history: the weights' privacy history, continued by this run (kept by the model, saved with its weights).
+        noise_source: seeds the sampling and the noise (default: from ``settings.seed``, OS entropy when unset).
+        world: the ranks a logical batch is spread over (default: this process alone).
+        engine: the clipping engine (default: ``settings.clipping`` built for ``module``).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        settings: DPSGDSettings,
+        *,
+        history: PrivacyHistory,
+        noise_source: NoiseSource | None = None,
+        world: World | None = None,
+        engine: ClippingEngine | None = None,
+    ) -> None:
+        self.settings = settings
+        self.history = history
+        self.noise_source = noise_source if noise_source is not None else NoiseSource(seed=settings.seed)
+        self.world: World = world if world is not None else SingleProcess()
+        self.engine = engine if engine is not None else clipping_engine(module, settings)
+        self.engine.check_parameters()
+        refuse_state_writing_modules(module)
+        self._module = module
+        self._state_guard = StateWriteGuard(module)
+        self._ledger = RunLedger()
+        self._noise_multiplier = settings.noise_multiplier
+        self._sample_rate: float | None = None
+        self._dataset_size: int | None = None
+        self._rows: IndexedRows | None = None
+        self._buffer: GradientBuffer | None = None
+        self._self_check_pending = settings.self_check
+        self._next_epsilon: float | None = None
+        self._epsilon_spent = 0.0
+        self._steps_at_start = 0
+        self._steps_done = 0
+        self._planned_steps = math.inf
+        self._before_noise: OrderedDict[int, SumHook] = OrderedDict()
+        self._after_noise: OrderedDict[int, SumHook] = OrderedDict()
+        self.should_stop = False
+        """Whether the next step would spend more than ``target_epsilon`` (set by :meth:`start` and :meth:`release`)."""
+
+    # --- what a run is ---------------------------------------------------------------------------------------------
+
+    @property
+    def noise_multiplier(self) -> float | None:
+        """σ in use (calibrated from ``target_epsilon`` by :meth:`start`)."""
+        return self._noise_multiplier
+
+    @property
+    def sample_rate(self) -> float | None:
+        """The Poisson rate q = expected logical batch size / N (set by :meth:`sample`)."""
+        return self._sample_rate
+
+    @property
+    def dataset_size(self) -> int | None:
+        """N, the training examples Poisson sampling draws from (set by :meth:`sample`)."""
+        return self._dataset_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·N: the global logical batch size the noisy sum is divided by."""
+        assert self._sample_rate is not None and self._dataset_size is not None, "DPSGD.sample first"
+        return self._sample_rate * self._dataset_size
+
+    @property
+    def accountant(self) -> PrivacyAccountant | None:
+        """The run's accountant: the weights' whole history plus this run's steps (``None`` before :meth:`start`)."""
+        return self._ledger.accountant
+
+    @property
+    def epsilon_spent(self) -> float:
+        """ε spent by the weights' whole history so far, at the run's δ (as of :meth:`start` or the last step)."""
+        return self._epsilon_spent
+
+    @property
+    def steps(self) -> int:
+        """DP steps the accountant counts so far (a restored checkpoint's included)."""
+        return self._ledger.steps
+
+    @property
+    def steps_this_run(self) -> int:
+        """DP steps taken since :meth:`start`."""
+        return self._ledger.steps - self._steps_at_start
+
+    # --- hooks -----------------------------------------------------------------------------------------------------
+
+    def register_before_noise_hook(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(self, clipped_sum)`` on every rank after clipping, before the noise is added."""
+        return _register(self._before_noise, hook, prepend=prepend)
+
+    def register_after_noise_hook(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(self, noisy_sum)`` on every rank once the noisy sum is summed over ranks, before ÷ qN."""
+        return _register(self._after_noise, hook, prepend=prepend)
+
+    # --- Algorithm 1 -----------------------------------------------------------------------------------------------
+
+    def sample(self, loader: DataLoader) -> DataLoader:
+        """``loader`` with Poisson sampling at q = ``loader.batch_size`` / N (each rank draws its shard at rate q)."""
+        self._dataset_size, self._sample_rate = _size_and_rate(loader)
+        self._rows = loader.dataset  # type: ignore[assignment]
+        seed = self.noise_source.seed("sampling", steps=self._ledger.steps)  # the sampler mixes in the rank
+        return poisson_loader(
+            loader, sample_rate=self._sample_rate, num_replicas=self.world.size, rank=self.world.rank, seed=seed
+        )
+
+    def start(
+        self,
+        *,
+        planned_steps: float,
+        steps_done: int = 0,
+        log_dir: str | None = None,
+        resumed_from: Path | None = None,
+    ) -> bool:
+        """Check δ, N and the ranks' rows; calibrate σ; open the ledger on the weights' history; decide the budget.
+
+        Args:
+            planned_steps: the steps the whole plan takes (``steps_done`` included; ``inf`` without a plan).
+            steps_done: steps the plan already took (a resumed run).
+            log_dir: where rank 0 keeps ``privacy_ledger.json`` (``None``: no file).
+            resumed_from: the checkpoint a resumed run restored (see :meth:`load_state_dict`).
+
+        Returns:
+            Whether the budget is already spent (no step may be taken).
+        """
+        if self._sample_rate is None or self._dataset_size is None:
+            raise RuntimeError("DPSGD.start needs the training loader: call DPSGD.sample first")
+        _check_same_dataset_size(self._ledger.restored_dataset_size, self._dataset_size)
+        delta = self.settings.target_delta or default_delta(self._dataset_size)
+        self._check_delta(delta)
+        self._check_ranks_hold_the_same_rows()
+        self._planned_steps, self._steps_done = planned_steps, steps_done
+        self._open_ledger(delta, log_dir, resumed_from)
+        self._buffer = GradientBuffer(list(trainable_parameters(self._module).values()), extra=1)
+        self._say(
+            f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self.settings.max_grad_norm}, q={self._sample_rate:.3g}, "
+            f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self.settings.clipping}, "
+            f"steps so far {self._ledger.steps}, noise {self.noise_source.describe()}"
+        )
+        if self._noise_multiplier == 0:
+            self._warn(NO_NOISE_WARNING)
+        self._steps_at_start = self._ledger.steps
+        spent = self._accountant().epsilon() if self._steps_at_start else 0.0
+        self._epsilon_spent = spent
+        if self._steps_at_start:  # a resumed run always has a ledger file, even if it takes no step
+            self._ledger.write(self.facts(), epsilon=spent)
+        self._next_epsilon = self.epsilon_after(1)
+        if self.world.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
+            self._stop(spent, self._next_epsilon)
+        return self.should_stop
+
+    def clip(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
+        """Sum every example's clipped gradient into the buffer, ``max_physical_batch_size`` examples at a time.
+
+        Returns:
+            The logical batch's per-example losses and gradient norms (before clipping): private, unnoised.
+        """
+        buffer = self._started_buffer()
+        losses, norms = [], []
+        self._state_guard.arm()
+        with buffer.receiving():  # every param.grad is a view into the buffer: the engine's sums land in it
+            self._self_check(loss_fn, batch)
+            for micro_batch in split_batch(batch, self.settings.max_physical_batch_size):
+                stats = self.engine.accumulate(loss_fn, micro_batch)
+                losses.append(stats.losses)
+                norms.append(stats.norms)
+        self._state_guard.check()  # before any noise or step: nothing written from private data is released
+        if not losses:
+            empty = buffer.flat.new_zeros(0)
+            return ClipStats(losses=empty, norms=empty)
+        return ClipStats(losses=torch.cat(losses), norms=torch.cat(norms))
+
+    def release(self) -> bool:
+        """Add N(0, σ²C²) once (rank 0), sum over ranks, divide by qN, set every ``param.grad``, and account the step.
+
+        Returns:
+            Whether training must stop after this step (the next one would spend more than ``target_epsilon``).
+        """
+        buffer, accountant = self._started_buffer(), self._accountant()
+        epsilon = self._next_epsilon if self._next_epsilon is not None else self.epsilon_after(1)
+        if self._exceeds(epsilon):  # only reachable when a trainer forces steps past the stop
+            raise ValueError(
+                f"trainer.min_steps / trainer.min_epochs forced DP step {accountant.steps + 1}, which would spend "
+                f"ε={epsilon:.4f} > {FLAG_OWNER}.target_epsilon={self.settings.target_epsilon}: stopped before it"
+            )
+        following = self.epsilon_after(2) if self.settings.target_epsilon is not None else None
+        self._noisy_sum(stop=self.world.rank == 0 and self._exceeds(following))
+        stop = bool(buffer.extra[0] > 0)  # rank 0's decision, so every rank stops after the same step
+        buffer.publish(self.expected_batch_size)
+        noise_multiplier, sample_rate = self._noise_multiplier or 0.0, self._sample_rate or 0.0
+        accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        self.history.record_dp_step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        self._ledger.write(self.facts(), epsilon=epsilon)
+        self._epsilon_spent, self._next_epsilon, self._steps_done = epsilon, following, self._steps_done + 1
+        if stop:
+            self._stop(epsilon, following)
+        return stop
+
+    def epsilon_after(self, steps: int) -> float:
+        """ε after ``steps`` more steps at this run's (σ, q)."""
+        rate, sigma = self._sample_rate or 0.0, self._noise_multiplier or 0.0
+        return self._accountant().epsilon(extra_steps=steps, noise_multiplier=sigma, sample_rate=rate)
+
+    # --- state -----------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger as checkpoints keep it: the accountant's history and the run's public facts (never a seed)."""
+        return self._ledger.state(self.facts())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a checkpoint's ledger (its run id, steps, σ and N): :meth:`start` picks it up."""
+        self._ledger.restore(state)
+
+    def facts(self) -> dict[str, Any]:
+        """What the ledger records beside the accountant's history (never a seed)."""
+        settings, reason = self.settings, self.history.reason_not_private()
+        return {
+            "noise_multiplier": self._noise_multiplier,
+            "max_grad_norm": settings.max_grad_norm,
+            "sample_rate": self._sample_rate,
+            "dataset_size": self._dataset_size,
+            "target_epsilon": settings.target_epsilon,
+            "expected_batch_size": self.expected_batch_size if self._sample_rate is not None else None,
+            "sampling": "poisson",
+            "clipping": settings.clipping,
+            "tied_norm": settings.tied_norm,
+            "noise": self.noise_source.describe(),
+            "noise_secure": self.noise_source.secure and self.history.noise_secure,
+            "differentially_private": reason is None and bool(self._noise_multiplier),
+            "reason_not_private": reason,
+            "privacy_history": self.history.state_dict(),
+        }
+
+    # --- inside the steps ------------------------------------------------------------------------------------------
+
+    def _noisy_sum(self, *, stop: bool) -> None:
+        """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
+        buffer = self._started_buffer()
+        _call(self._before_noise, self, buffer.gradients)
+        buffer.extra.fill_(float(stop))
+        if self.world.rank == 0 and self._noise_multiplier:  # a fresh generator every step
+            generator = self.noise_source.generator("noise", steps=self._ledger.steps, device=buffer.flat.device)
+            buffer.add_noise(self._noise_multiplier * self.settings.max_grad_norm, generator)
+        self.world.all_reduce_sum(buffer.flat)  # same bits on every rank, as DDP's
+        buffer.refuse_non_finite(step=self._ledger.steps + 1)
+        _call(self._after_noise, self, buffer.gradients)
+
+    def _self_check(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
+        """Once, on the first non-empty batch: the ghost engine's norms against autograd's (``settings.self_check``)."""
+        if not self._self_check_pending or not isinstance(self.engine, GhostEngine) or batch_size(batch) == 0:
+            return
+        examples = min(4, self.settings.max_physical_batch_size)
+        check_ghost_norms(self.engine, self._module, loss_fn, batch, examples=examples)
+        self._self_check_pending = False
+        self._say("DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
+
+    def _exceeds(self, epsilon: float | None) -> bool:
+        target = self.settings.target_epsilon
+        return target is not None and epsilon is not None and epsilon > target * (1 + 1e-9)
+
+    def _stop(self, spent: float, next_epsilon: float | None) -> None:
+        """Stop before a step that would spend more than ``target_epsilon``; say so unless the plan ends here."""
+        self.should_stop = True
+        if self._steps_done >= self._planned_steps:
+            return
+        self._warn(
+            f"DP-SGD: privacy budget spent: ε={spent:.4f} of "
+            f"target_epsilon={self.settings.target_epsilon} after {self._ledger.steps} DP steps; the next step would "
+            f"spend ε={next_epsilon:.4f}, so training stops here"
+        )
+
+    # --- opening the ledger ----------------------------------------------------------------------------------------
+
+    def _open_ledger(self, delta: float, log_dir: str | None, resumed_from: Path | None) -> None:
+        """Open the ledger on the weights' privacy history (rank 0's), calibrate σ, and open this run's segment.
+
+        A resumed run also counts the steps this run's newest ledger file took after the checkpoint.
+        """
+        settings, history = self.settings, self.history
+        self._ledger.open(delta=delta, mechanism=settings.accountant, directory=log_dir if self.world.rank == 0 else None)
+        if resumed_from is not None and self.world.rank == 0:
+            self._count_steps_after_checkpoint(resumed_from, log_dir)
+        history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history
+        accountant = self._accountant()
+        accountant.load_state_dict({**accountant.state_dict(), "history": history.accountant_history()})
+        planned = int(self._planned_steps) if math.isfinite(self._planned_steps) else None
+        check_accountable(
+            mechanism=settings.accountant, sample_rate=self._sample_rate, steps=planned, delta=delta,
+            noise_multiplier=self._noise_multiplier, target_epsilon=settings.target_epsilon,
+        )  # fmt: skip
+        if settings.target_epsilon is not None:  # a resumed run keeps the σ its whole plan was calibrated for
+            restored = self._ledger.restored_noise_multiplier
+            self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
+        self._announce_history(resumed=resumed_from is not None)
+        history.open_dp_segment(run_id=self._ledger.run_id, facts=self._segment_facts())
+
+    def _count_steps_after_checkpoint(self, checkpoint: Path, log_dir: str | None) -> None:
+        """Add to the history the DP steps this run's ledger file took after the resumed checkpoint (rank 0)."""
+        folders = ledger_folders(checkpoint, log_dir)
+        if not self._ledger.has_record(folders):
+            self._warn(
+                f"DP-SGD: {checkpoint} belongs to run {self._ledger.run_id}, whose privacy_ledger.json is not "
+                "beside it (was the checkpoint copied or moved?): steps that run took after this checkpoint, if any, "
+                "cannot be counted, so ε covers only the history the checkpoint carries; resume it in its run folder"
+            )
+            return
+        found = self._ledger.steps_after_checkpoint(folders)
+        if found is None:
+            return
+        extra, message = found
+        note = "steps taken after the resumed checkpoint: their model was discarded, but they touched the data"
+        facts = {**self._segment_facts(), "noise": "unknown", "noise_secure": True}
+        self.history.record_dp_steps(extra, run_id=self._ledger.run_id, facts=facts, note=note)
+        self._warn(message)
+
+    def _announce_history(self, *, resumed: bool) -> None:
+        """Say in one line that this run continues the weights' privacy history, and warn if they are not DP."""
+        history, accountant = self.history, self._accountant()
+        if history.dp_steps:
+            bound = f", and {FLAG_OWNER}.target_epsilon bounds the total" if self.settings.target_epsilon else ""
+            origin = "a resumed checkpoint" if resumed else "earlier training"
+            self._say(
+                f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={accountant.epsilon():.4g} "
+                f"at δ={accountant.delta:.3g}): this run continues their privacy history{bound}"
+            )
+        reason = history.reason_not_private()
+        if reason is not None:
+            self._warn(
+                f"DP-SGD: these weights are NOT differentially private, whatever this run does: {reason} (this run's "
+                "steps are still accounted)"
+            )
+
+    def _calibrate(self, delta: float) -> float:
+        """σ for which the weights' history plus this run's remaining planned steps spend ``target_epsilon``."""
+        if not math.isfinite(self._planned_steps):
+            raise ValueError(f"{FLAG_OWNER}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
+        target, rate = self.settings.target_epsilon, self._sample_rate
+        assert target is not None and rate is not None
+        prior, spent = self.history.accountant_history(), self._accountant().epsilon()
+        if prior and spent >= target:
+            raise ValueError(
+                f"{FLAG_OWNER}.target_epsilon={target:g} is already spent: these weights' privacy history counts "
+                f"{self.history.dp_steps} DP steps at ε={spent:.4g}; raise target_epsilon (it bounds the "
+                "weights' total) or start from weights that never saw the data"
+            )
+        planned_here = int(self._planned_steps) - self._steps_done
+        return calibrate_noise_multiplier(
+            target_epsilon=target, delta=delta, sample_rate=rate, steps=max(1, planned_here),
+            mechanism=self.settings.accountant, prior=prior,
+        )  # fmt: skip
+
+    def _segment_facts(self) -> dict[str, Any]:
+        """This run's public parameters, as its segment of the weights' privacy history records them."""
+        return {
+            "max_grad_norm": self.settings.max_grad_norm,
+            "dataset_size": self._dataset_size,
+            "delta": self._accountant().delta,
+            "mechanism": self.settings.accountant,
+            "noise": self.noise_source.describe(),
+            "noise_secure": self.noise_source.secure,
+        }
+
+    # --- checks ----------------------------------------------------------------------------------------------------
+
+    def _check_delta(self, delta: float) -> None:
+        """Refuse δ ≥ 1/N (it permits releasing whole examples) unless ``allow_large_delta``, and then warn."""
+        size = self._dataset_size
+        assert size is not None
+        if delta < 1 / size:
+            return
+        message = (
+            f"{FLAG_OWNER}.target_delta={delta:.3g} is ≥ 1/N = {1 / size:.3g} for N={size} training "
+            "examples: a δ that large permits releasing whole examples"
+        )
+        if not self.settings.allow_large_delta:
+            raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set {FLAG_OWNER}.allow_large_delta=true")
+        self._warn(f"{message} (allowed by {FLAG_OWNER}.allow_large_delta)")
+
+    def _check_ranks_hold_the_same_rows(self) -> None:
+        """Refuse, on every rank, data-parallel ranks whose training datasets differ (in N or in any row).
+
+        Each rank samples its own shard of the indices, which is one Poisson sample only if the datasets agree.
+        """
+        if self.world.size == 1 or self._rows is None:
+            return
+        local = rows_fingerprint(self._rows)
+        if not self.world.all_agree(local == self.world.broadcast(local)):
+            raise ValueError(
+                "the training rows differ between data-parallel ranks (in number or content): each rank Poisson-samples "
+                "its own shard of ONE dataset, so every rank must build the same rows in the same order; a random "
+                "split, shuffle or subsample that is not seeded (or depends on the rank) is the likely cause: seed it"
+            )
+
+    def _started_buffer(self) -> GradientBuffer:
+        if self._buffer is None:
+            raise RuntimeError("DPSGD.start must run before clipping or releasing a step")
+        return self._buffer
+
+    def _accountant(self) -> PrivacyAccountant:
+        if self._ledger.accountant is None:
+            raise RuntimeError("DPSGD.start must run before the accountant is used")
+        return self._ledger.accountant
+
+    def _say(self, line: str) -> None:
+        if self.world.rank == 0:
+            log.info(line)
+
+    def _warn(self, line: str) -> None:
+        if self.world.rank == 0:
+            warnings.warn(line, PrivacyWarning, stacklevel=3)
+
+
+def clipping_engine(module: nn.Module, settings: DPSGDSettings) -> ClippingEngine:
+    """The clipping engine ``settings.clipping`` names, built for ``module``."""
+    options = {"tied_norm": settings.tied_norm} if settings.clipping == "ghost" else {}
+    return build_engine(settings.clipping, module, max_grad_norm=settings.max_grad_norm, **options)
+
+
+def batch_size(batch: Batch) -> int:
+    """The number of examples in ``batch``."""
+    return next(iter(batch.values())).shape[0]
+
+
+def split_batch(batch: Batch, size: int) -> Iterator[Batch]:
+    """Micro-batches of at most ``size`` examples (none for an empty batch)."""
+    total = batch_size(batch)
+    for start in range(0, total, size):
+        yield {key: value[start : start + size] for key, value in batch.items()}
+
+
+def _size_and_rate(loader: DataLoader) -> tuple[int, float]:
+    """N and the Poisson rate q = batch_size / N of the training loader (refusing an empty set, a bad size)."""
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    batch = loader.batch_size
+    if size == 0:
+        raise ValueError("the training dataset is empty")
+    if batch is None or not 0 < batch <= size:
+        raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch}")
+    return size, batch / size
+
+
+def _check_same_dataset_size(restored: int | None, dataset_size: int) -> None:
+    """Refuse resuming a run on a training set of another size: q = B/N, δ = N^-1.1 and ε all depend on N."""
+    if restored is not None and restored != dataset_size:
+        raise ValueError(
+            f"the training set has {dataset_size} rows, but the checkpoint's run trained on {restored}: a resumed run "
+            "must train on the same rows (its sampling rate q = data.batch_size / N, its default δ = N^-1.1 and its ε "
+            "depend on N); resume with the same data, or start a new run from the exported model"
+        )
+
+
+def _register(hooks: OrderedDict[int, SumHook], hook: SumHook, *, prepend: bool) -> RemovableHandle:
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    if prepend:
+        hooks.move_to_end(handle.id, last=False)
+    return handle
+
+
+def _call(hooks: OrderedDict[int, SumHook], dpsgd: DPSGD, flat_sum: Tensor) -> None:
+    for hook in list(hooks.values()):
+        hook(dpsgd, flat_sum)

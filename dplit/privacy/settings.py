@@ -1,0 +1,101 @@
+"""DPSGDSettings: every DP-SGD knob, one docstring per field, validated once when the settings are made."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dplit.privacy.accountant import DELTA_MAX, Mechanism
+
+CLIPPING_ENGINES = ("ghost", "per_example")
+TIED_NORMS = ("exact", "bound")
+ACCOUNTANTS = ("prv", "rdp")
+FLAG_OWNER = "DPStrategy"
+"""Where a user sets these knobs (``trainer.strategy.init_args.<field>``): every refusal names ``DPStrategy.<field>``."""
+
+
+@dataclass(frozen=True)
+class DPSGDSettings:
+    """The knobs of one DP-SGD run (Abadi et al. 2016, Algorithm 1, with Poisson sampling).
+
+    Every value is checked when the settings are made, so a bad config fails before any data is read, in one line
+    naming ``DPStrategy.<field>``.
+    """
+
+    max_grad_norm: float
+    """C: every example's gradient is clipped to norm ≤ C, and the noise's standard deviation is σ·C."""
+
+    noise_multiplier: float | None = None
+    """σ, the noise's standard deviation in units of C; give this or ``target_epsilon``, not both. 0 adds no noise
+    (not private: warns)."""
+
+    target_epsilon: float | None = None
+    """Calibrate σ so that the weights' whole privacy history (earlier runs included) spends at most this ε over the
+    planned steps; training stops before a step that would spend more."""
+
+    target_delta: float | None = None
+    """δ; default N^-1.1 for N training examples. δ ≥ 1/N is refused unless ``allow_large_delta``."""
+
+    accountant: Mechanism = "prv"
+    """``"prv"`` (the tighter numerical accountant, default) or ``"rdp"`` (Rényi DP, an upper bound)."""
+
+    clipping: Literal["ghost", "per_example"] = "ghost"
+    """``"ghost"``: per-example norms without per-example gradients, one backward; ``"per_example"``: materialised
+    per-example gradients (the exact reference, more memory)."""
+
+    tied_norm: Literal["exact", "bound"] = "exact"
+    """For a parameter used twice (tied embeddings), ghost only: ``"exact"`` (with the cross term) or ``"bound"``
+    (‖G₁‖ + ‖G₂‖, over-clips)."""
+
+    max_physical_batch_size: int = 32
+    """The largest micro-batch run through the model at once, per device (memory, not privacy)."""
+
+    self_check: bool = True
+    """Before the first DP step, compare the ghost engine's per-parameter norms of a few real examples with
+    autograd's and refuse, naming the parameter, on any disagreement."""
+
+    seed: int | None = None
+    """Unset (default): sampling and noise are seeded from the operating system's entropy, never stored. A seed
+    makes both PREDICTABLE from the config (warns; the ledger says so): for tests and debugging, never a release."""
+
+    allow_large_delta: bool = False
+    """Accept δ ≥ 1/N (a δ that large permits releasing whole examples); warns when used."""
+
+    private_diagnostics: bool = True
+    """Log the diagnostics computed from private batches without noise (loss, gradient norms, clip fraction,
+    realised batch size, memory): none is covered by ε. ``False`` when logs leave the trust boundary."""
+
+    def __post_init__(self) -> None:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                f"set exactly one of {FLAG_OWNER}.noise_multiplier and {FLAG_OWNER}.target_epsilon "
+                f"(got noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon})"
+            )
+        require_finite("max_grad_norm", self.max_grad_norm, above=0.0)
+        if self.noise_multiplier is not None:
+            require_finite("noise_multiplier", self.noise_multiplier, at_least=0.0)
+        if self.target_epsilon is not None:
+            require_finite("target_epsilon", self.target_epsilon, above=0.0)
+        if self.target_delta is not None and not 0 < self.target_delta <= DELTA_MAX:
+            raise ValueError(f"{FLAG_OWNER}.target_delta must be in (0, {DELTA_MAX}], got {self.target_delta}")
+        if self.max_physical_batch_size < 1:
+            raise ValueError(f"{FLAG_OWNER}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
+        _require_choice("clipping", self.clipping, CLIPPING_ENGINES)
+        _require_choice("tied_norm", self.tied_norm, TIED_NORMS)
+        _require_choice("accountant", self.accountant, ACCOUNTANTS)
+
+
+def require_finite(field: str, value: float, *, above: float | None = None, at_least: float | None = None) -> None:
+    """Refuse (one line naming ``DPStrategy.<field>``) a value that is not a finite number in the range."""
+    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if above is not None and not (finite and value > above):
+        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number > {above:g}, got {value}")
+    if at_least is not None and not (finite and value >= at_least):
+        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number ≥ {at_least:g}, got {value}")
+
+
+def _require_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        names = " or ".join(repr(choice) for choice in choices)
+        raise ValueError(f"{FLAG_OWNER}.{field} must be {names}, got {value!r}")

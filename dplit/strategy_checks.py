@@ -1,0 +1,57 @@
+"""What DPStrategy refuses in a Trainer before any data is read (one line each, naming the flag), and where it saves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+TESTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed")
+"""The precisions the DP path is tested with; others (``16-true``: fp16 weights overflow to NaN) are refused."""
+
+
+def check_trainer(trainer: Trainer, precision: Precision, *, planned: bool) -> None:
+    """Refuse trainer settings that break DP-SGD or its accounting (``planned``: σ is calibrated for a target ε)."""
+    if planned and trainer.max_steps == -1 and trainer.max_epochs == -1:
+        raise ValueError(
+            "DPStrategy.target_epsilon spreads ε over the planned steps: set a finite trainer.max_epochs or "
+            "trainer.max_steps (both are -1), or give DPStrategy.noise_multiplier instead"
+        )
+    if trainer.gradient_clip_val:
+        raise ValueError(
+            "trainer.gradient_clip_val must be unset with DPStrategy: it clips per example "
+            "(DPStrategy.max_grad_norm); clipping the noisy batch gradient again is not DP-SGD"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            "trainer.accumulate_grad_batches must be 1 with DPStrategy: raise data.batch_size for larger "
+            "logical batches and DPStrategy.max_physical_batch_size bounds memory"
+        )
+    if trainer.fast_dev_run:
+        raise ValueError(
+            "trainer.fast_dev_run is refused with DPStrategy: it spends real privacy on the private data and writes "
+            "no ledger or checkpoint; for a short run set trainer.max_steps (σ is then calibrated for those steps)"
+        )
+    check_precision(precision)
+
+
+def check_precision(precision: Precision) -> None:
+    """Refuse loss scaling (fp16-mixed) and any precision the DP path is not tested with."""
+    name = str(precision.precision)
+    if isinstance(precision, MixedPrecision) and precision.scaler is not None:
+        raise ValueError(
+            "trainer.precision '16-mixed' (loss scaling) is not supported with DPStrategy: use 'bf16-mixed'"
+        )
+    if name not in TESTED_PRECISIONS:
+        raise ValueError(
+            f"trainer.precision={name!r} is not supported with DPStrategy (the DP path is tested with "
+            f"{', '.join(TESTED_PRECISIONS)}; '16-true' weights overflow to NaN): use 'bf16-mixed' or '32-true'"
+        )
+
+
+def checkpoint_folder(trainer: Trainer, log_dir: str | None) -> Path:
+    """Where the run's checkpoints go: its ``ModelCheckpoint``'s folder, else ``<log_dir>/checkpoints``."""
+    callback = trainer.checkpoint_callback
+    folder = getattr(callback, "dirpath", None)
+    return Path(folder) if folder else Path(log_dir or trainer.default_root_dir) / "checkpoints"
