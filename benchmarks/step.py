@@ -6,8 +6,9 @@ shape; label-word head, dropout 0, eager attention, same seed, so the same weigh
 random token sequences of T real tokens, one full optimizer step per iteration:
 
 * ``non_private``: forward, backward of the mean loss, AdamW step.
-* ``dplit_ghost``: dplit's ghost engine (``tied_norm="exact"``) over the whole batch (micro-batch = batch), then
-  DPStrategy's privatisation (add N(0, σ²C²) to the clipped sum, divide by B; see ``--privatize``), AdamW step.
+* ``dplit_ghost``: the shipped DP-SGD object DPStrategy runs (``dplit.privacy.dpsgd.DPSGD``, ghost clipping,
+  ``tied_norm="exact"``) over the whole batch (micro-batch = batch): clip, add N(0, σ²C²), divide by B, account;
+  then an AdamW step.
 * ``dplit_per_example``: the same with dplit's materialising reference engine (vmap of per-example grads).
 * ``opacus_hooks`` / ``opacus_ghost``: opacus ``PrivacyEngine.make_private(grad_sample_mode=...)`` on the same
   module and AdamW; ghost uses the returned loss wrapper (two backward passes inside ``loss.backward()``).
@@ -51,7 +52,6 @@ LORA_TARGETS = {
     "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 POLICIES = ("untied", "tied")
-PRIVATIZE_MODES = ("strategy", "flat", "per_parameter")
 PRECISIONS = ("32-true", "bf16-mixed")
 """Lightning's names: float32 throughout, or bf16 autocast around forward and loss (weights, grads, AdamW in fp32)."""
 SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M's shape: Llama, deep and narrow (30 layers, width 576)
@@ -136,13 +136,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--precision", choices=PRECISIONS, default="32-true",
                         help="32-true (default) or bf16-mixed: forward and loss under torch.autocast(bfloat16), as "
                              "Lightning's bf16-mixed does (DPStrategy autocasts its engine's whole pass the same way)")
-    parser.add_argument(
-        "--privatize",
-        choices=PRIVATIZE_MODES,
-        default="strategy",
-        help="dplit methods' noise step: strategy (as DPStrategy now: its GradientBuffer), flat (DPStrategy before "
-        "the GradientBuffer: torch.cat of all sums + a flat noise tensor), per_parameter (in place, one by one)",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", type=Path, default=None, help="also profile one step; write the op table here")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
@@ -217,63 +210,47 @@ def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     }
 
 
-def privatized_step(
-    args: argparse.Namespace, params: list[Any], accumulate: Callable[[], None], generator: Any
-) -> tuple[Callable[[], None], str]:
-    """Clipped sum → + N(0, σ²C²) → ÷ B, as ``args.privatize`` says; returns (step without optimizer, mode used).
-
-    * ``strategy``: what DPStrategy does on one device: its ``GradientBuffer`` (grads are views of one persistent
-      flat buffer, noise added in place parameter by parameter). Falls back to ``flat`` for a dplit without it.
-    * ``flat``: DPStrategy before the GradientBuffer: ``torch.cat`` of all clipped sums into a new flat fp32
-      tensor plus a flat noise tensor of the same size.
-    * ``per_parameter``: noise drawn and added in place for each parameter's ``grad`` in turn.
-    """
-    import torch
-
-    std, size, mode = args.sigma * args.max_grad_norm, args.batch_size, args.privatize
-    if mode == "strategy":
-        try:
-            from dplit.privacy.gradient_buffer import GradientBuffer
-        except ImportError:
-            mode = "flat"
-        else:
-            buffer = GradientBuffer(params, extra=1)  # extra: DPStrategy's stop flag slot
-
-            def buffered() -> None:
-                buffer.attach()
-                accumulate()
-                buffer.detach()
-                buffer.add_noise(std, generator)
-                buffer.publish(size)
-
-            return buffered, "strategy (GradientBuffer)"
-
-    def flat() -> None:
-        for param in params:
-            param.grad = None
-        accumulate()
-        sums = torch.cat([p.grad.float().reshape(-1) for p in params])  # [P]
-        sums += torch.normal(0.0, std, sums.shape, generator=generator, device=sums.device)
-        sums /= size
-        for param, chunk in zip(params, sums.split([p.numel() for p in params])):
-            param.grad = chunk.view_as(param).to(param.dtype)
-
-    def per_parameter() -> None:
-        for param in params:
-            param.grad = None
-        accumulate()
-        for param in params:
-            param.grad.add_(torch.empty_like(param.grad).normal_(0.0, std, generator=generator)).div_(size)
-
-    return (flat, "flat") if mode == "flat" else (per_parameter, "per_parameter")
-
-
 def autocast(args: argparse.Namespace, device: Any) -> Callable[[], Any]:
     """A factory of the forward's precision context: bf16 autocast for ``bf16-mixed``, else a no-op."""
     import torch
 
     enabled = getattr(args, "precision", "32-true") == "bf16-mixed"
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def shipped_dp_step(
+    args: argparse.Namespace, model: Any, batch: dict[str, Any], mixed: Callable[[], Any]
+) -> Callable[[], None]:
+    """One step of dplit's shipped DP-SGD object (what DPStrategy runs): clip, noise, ÷ B, account; then AdamW.
+
+    Its Poisson loader is built on 100·B placeholder rows (q = 0.01, the accountant's usual regime) only for the
+    rate; every step clips the benchmark's fixed batch in one micro-batch. The plan is warm-up + timed steps, so ε is
+    refreshed at the first (warm-up) and the last step, as in a real run (see ``dplit.privacy.dpsgd``).
+    """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from dplit.privacy.dpsgd import DPSGD
+    from dplit.privacy.settings import DPSGDSettings
+
+    clipping = "ghost" if adapters(args.method)[0] == "dplit_ghost" else "per_example"
+    settings = DPSGDSettings(
+        max_grad_norm=args.max_grad_norm, noise_multiplier=args.sigma, clipping=clipping, tied_norm="exact",
+        max_physical_batch_size=args.batch_size, self_check=False,
+    )  # fmt: skip
+    dpsgd = DPSGD(model, settings, history=model.privacy_history)
+    dpsgd.engine.validate(model.per_example_loss, batch)  # as at DPStrategy's setup: refusals surface here
+    dpsgd.sample(DataLoader(TensorDataset(torch.arange(100 * args.batch_size)), batch_size=args.batch_size))
+    dpsgd.start(planned_steps=args.warmup + args.steps)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+
+    def dp_step() -> None:
+        with mixed():  # DPStrategy: the precision plugin's train_step_context around the clipping
+            dpsgd.clip(model.per_example_loss, batch)
+        dpsgd.release()
+        optimizer.step()
+
+    return dp_step
 
 
 def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], device: Any) -> Callable[[], None]:
@@ -301,27 +278,7 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
         return step
 
     if method in ("dplit_ghost", "dplit_per_example"):
-        from dplit.privacy import build_engine
-
-        if method == "dplit_ghost":
-            engine = build_engine("ghost", model, max_grad_norm=args.max_grad_norm, tied_norm="exact")
-        else:
-            engine = build_engine("per_example", model, max_grad_norm=args.max_grad_norm)
-        engine.validate(model.per_example_loss, batch)  # as DPStrategy does at setup: refusals surface here
-        optimizer = torch.optim.AdamW(params, lr=args.lr)
-        generator = torch.Generator(device=device).manual_seed(args.seed + 7919)
-
-        def accumulate() -> None:
-            with mixed():  # DPStrategy: the precision plugin's train_step_context around the engine
-                engine.accumulate(model.per_example_loss, batch)  # micro-batch = batch
-
-        private, args.privatize_used = privatized_step(args, params, accumulate, generator)
-
-        def dp_step() -> None:
-            private()
-            optimizer.step()
-
-        return dp_step
+        return shipped_dp_step(args, model, batch, mixed)
 
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -394,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "memory_kind": "cuda_max_allocated" if cuda else "peak_rss",
         "threads": torch.get_num_threads(),
         "precision": args.precision,
-        "privatize": args.privatize if args.method.startswith("dplit") else None,
+        "privatize": "strategy" if args.method.startswith("dplit") else None,  # the shipped DPSGD object
         "warmup": args.warmup,
         "steps": args.steps,
         "sigma": args.sigma,
@@ -419,7 +376,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shares: list[float] = []  # per step: the share of the machine's CPUs other processes used meanwhile
     try:
         step = build_step(args, model, batch, device)
-        result["privatize_impl"] = getattr(args, "privatize_used", None)
+        result["privatize_impl"] = "dplit.privacy.dpsgd.DPSGD" if args.method.startswith("dplit") else None
         result["setup_mem_mb"] = torch.cuda.memory_allocated(device) / 2**20 if cuda else current_rss_mb()
         for index in range(args.warmup + args.steps):
             if cuda:

@@ -23,7 +23,8 @@ def log_clipping(module: LightningModule, losses: Tensor, norms: Tensor, max_gra
 
 
 def log_spend(module: LightningModule, dpsgd: DPSGD) -> None:
-    """Log ε so far, σ and the number of DP steps (all public: computed from the settings and the step count)."""
-    module.log("privacy/epsilon", dpsgd.epsilon_spent, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+    """Log ε so far (when it was refreshed at this step), σ and the number of DP steps (all public)."""
+    if dpsgd.epsilon_steps == dpsgd.steps:
+        module.log("privacy/epsilon", dpsgd.epsilon_spent, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
     module.log("privacy/noise_multiplier", float(dpsgd.noise_multiplier or 0.0), on_step=True, batch_size=1)
     module.log("privacy/steps", float(dpsgd.steps), on_step=True, batch_size=1)

@@ -215,11 +215,19 @@ class DPStrategy(DDPStrategy):
         return super().optimizer_step(optimizer, private_closure, model, **kwargs)
 
     @override
+    def on_train_end(self) -> None:
+        """Bring the ledger's ε up to date."""
+        super().on_train_end()
+        if self._dpsgd is not None:
+            self._dpsgd.finish()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Save ``checkpoints/interrupted.ckpt`` with the ledger when steps taken since the start would be lost."""
         super().on_exception(exception)
         if self._dpsgd is None or self._dpsgd.accountant is None or self._interrupt_path is None:
             return
+        self._dpsgd.finish()
         if self._dpsgd.steps_this_run == 0:
             return
         if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):

@@ -169,3 +169,24 @@ def test_every_bad_setting_is_refused_in_one_line_naming_its_flag(knobs: dict[st
     with pytest.raises(ValueError, match=flag) as refusal:
         DPSGDSettings(**knobs)
     assert "\n" not in str(refusal.value)
+
+
+def test_a_planned_run_asks_the_accountant_for_epsilon_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One PRV ε costs 0.1-1.5 s: the plan is verified once, ε refreshed at the first and last steps (and, at most
+    EPSILON_OVERHEAD of the time, between them: 0 here), and the step past the plan is checked, never once per step."""
+    calls: list[dict[str, Any]] = []
+    epsilon = PrivacyAccountant.epsilon
+    monkeypatch.setattr(PrivacyAccountant, "epsilon", lambda self, **kw: calls.append(kw) or epsilon(self, **kw))
+    monkeypatch.setattr("dplit.privacy.dpsgd.EPSILON_OVERHEAD", 0.0)
+    model = make_model("untied")
+    dpsgd, loader = make_dpsgd(model, noise_multiplier=None, target_epsilon=4.0, clipping="per_example")
+    dpsgd.start(planned_steps=8)
+    stops = []
+    for batch in nonempty_batches(loader, 4) * 2:
+        dpsgd.clip(model.per_example_loss, batch)
+        stops.append(dpsgd.release())
+        if dpsgd.steps in (1, 8):
+            assert dpsgd.epsilon_steps == dpsgd.steps
+    assert stops == [False] * 7 + [True]
+    assert [call.get("extra_steps") for call in calls] == [8, None, 2, None]  # the plan; step 1; does a 9th fit?; step 8
+    assert dpsgd.epsilon_steps == 8 and dpsgd.epsilon_spent <= 4.0

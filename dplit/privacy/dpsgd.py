@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -54,6 +55,10 @@ log = logging.getLogger(__name__)
 SumHook = Callable[["DPSGD", Tensor], None]
 """``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
 that writes to it changes what is released (only an audit's canaries, or its deliberately broken mechanisms, do)."""
+EPSILON_OVERHEAD = 0.05
+"""The largest share of a run's time spent computing ε for the logs and the ledger file between its first and last
+steps (one PRV ε costs 0.1-1.5 s on a CPU core, a step on a GPU far less). The budget never waits on this: it is
+decided from the steps verified to fit, and the card's ε is always computed from the whole history."""
 NO_NOISE_WARNING = (
     f"{FLAG_OWNER}.noise_multiplier=0: NO NOISE is added, so this run is NOT differentially private (ε = ∞); "
     "clipping alone protects nothing"
@@ -98,8 +103,9 @@ class DPSGD:
         self._rows: IndexedRows | None = None
         self._buffer: GradientBuffer | None = None
         self._self_check_pending = settings.self_check
-        self._next_epsilon: float | None = None
-        self._epsilon_spent = 0.0
+        self._budget_steps = 0  # the most total DP steps verified to stay within target_epsilon
+        self._epsilon_spent, self._epsilon_steps = 0.0, 0
+        self._accounting_seconds, self._started_at = 0.0, time.perf_counter()
         self._steps_at_start = 0
         self._steps_done = 0
         self._planned_steps = math.inf
@@ -138,8 +144,14 @@ class DPSGD:
 
     @property
     def epsilon_spent(self) -> float:
-        """ε spent by the weights' whole history so far, at the run's δ (as of :meth:`start` or the last step)."""
+        """ε spent by the weights' whole history at the run's δ, as of :attr:`epsilon_steps` DP steps."""
         return self._epsilon_spent
+
+    @property
+    def epsilon_steps(self) -> int:
+        """The DP steps :attr:`epsilon_spent` counts: all of them after the first and last planned steps, a stop, and
+        :meth:`finish`; between those, ε is refreshed while that costs at most ``EPSILON_OVERHEAD`` of the run's time."""
+        return self._epsilon_steps
 
     @property
     def steps(self) -> int:
@@ -207,14 +219,15 @@ class DPSGD:
         )
         if self._noise_multiplier == 0:
             self._warn(NO_NOISE_WARNING)
-        self._steps_at_start = self._ledger.steps
-        spent = self._accountant().epsilon() if self._steps_at_start else 0.0
-        self._epsilon_spent = spent
+        self._steps_at_start = self._budget_steps = self._ledger.steps
+        self._started_at = time.perf_counter()
+        self._refresh_epsilon()
         if self._steps_at_start:  # a resumed run always has a ledger file, even if it takes no step
-            self._ledger.write(self.facts(), epsilon=spent)
-        self._next_epsilon = self.epsilon_after(1)
-        if self.world.broadcast(self._exceeds(self._next_epsilon)):  # rank 0's decision
-            self._stop(spent, self._next_epsilon)
+            self._ledger.write(self.facts(), epsilon=self._epsilon_spent)
+        if math.isfinite(planned_steps):  # σ was calibrated for the plan: verify it once, not at every step
+            self._within_budget(self._ledger.steps + max(0, int(planned_steps) - steps_done))
+        if self.world.broadcast(not self._within_budget(self._ledger.steps + 1)):  # rank 0's decision
+            self._stop()
         return self.should_stop
 
     def clip(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
@@ -245,24 +258,32 @@ class DPSGD:
             Whether training must stop after this step (the next one would spend more than ``target_epsilon``).
         """
         buffer, accountant = self._started_buffer(), self._accountant()
-        epsilon = self._next_epsilon if self._next_epsilon is not None else self.epsilon_after(1)
-        if self._exceeds(epsilon):  # only reachable when a trainer forces steps past the stop
+        upcoming = accountant.steps + 1
+        if not self._within_budget(upcoming):  # only reachable when a trainer forces steps past the stop
             raise ValueError(
-                f"trainer.min_steps / trainer.min_epochs forced DP step {accountant.steps + 1}, which would spend "
-                f"ε={epsilon:.4f} > {FLAG_OWNER}.target_epsilon={self.settings.target_epsilon}: stopped before it"
+                f"trainer.min_steps / trainer.min_epochs forced DP step {upcoming}, which would spend "
+                f"ε={self.epsilon_after(1):.4f} > {FLAG_OWNER}.target_epsilon={self.settings.target_epsilon}: "
+                "stopped before it"
             )
-        following = self.epsilon_after(2) if self.settings.target_epsilon is not None else None
-        self._noisy_sum(stop=self.world.rank == 0 and self._exceeds(following))
+        self._noisy_sum(stop=self.world.rank == 0 and not self._within_budget(upcoming + 1))
         stop = bool(buffer.extra[0] > 0)  # rank 0's decision, so every rank stops after the same step
         buffer.publish(self.expected_batch_size)
         noise_multiplier, sample_rate = self._noise_multiplier or 0.0, self._sample_rate or 0.0
         accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
         self.history.record_dp_step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
-        self._ledger.write(self.facts(), epsilon=epsilon)
-        self._epsilon_spent, self._next_epsilon, self._steps_done = epsilon, following, self._steps_done + 1
+        self._steps_done += 1
+        if stop or self._epsilon_due():
+            self._refresh_epsilon()
+        self._ledger.write(self.facts(), epsilon=self._epsilon_spent)
         if stop:
-            self._stop(epsilon, following)
+            self._stop()
         return stop
+
+    def finish(self) -> None:
+        """Bring ε up to date and write the ledger file (at the end of training, or when it is interrupted)."""
+        if self._ledger.accountant is not None and self._epsilon_steps != self._ledger.steps:
+            self._refresh_epsilon()
+            self._ledger.write(self.facts(), epsilon=self._epsilon_spent)
 
     def epsilon_after(self, steps: int) -> float:
         """ε after ``steps`` more steps at this run's (σ, q)."""
@@ -289,6 +310,7 @@ class DPSGD:
             "dataset_size": self._dataset_size,
             "target_epsilon": settings.target_epsilon,
             "expected_batch_size": self.expected_batch_size if self._sample_rate is not None else None,
+            "epsilon_steps": self._epsilon_steps,
             "sampling": "poisson",
             "clipping": settings.clipping,
             "tied_norm": settings.tied_norm,
@@ -322,19 +344,41 @@ class DPSGD:
         self._self_check_pending = False
         self._say("DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
 
-    def _exceeds(self, epsilon: float | None) -> bool:
-        target = self.settings.target_epsilon
-        return target is not None and epsilon is not None and epsilon > target * (1 + 1e-9)
+    def _within_budget(self, steps: int) -> bool:
+        """Whether ``steps`` DP steps in all (this run's σ, q from now on) spend at most ``target_epsilon``.
 
-    def _stop(self, spent: float, next_epsilon: float | None) -> None:
+        ε grows with every step, so a count verified once needs no accountant call again: only a step past the most
+        verified so far costs one (a plan's whole count is verified by :meth:`start`).
+        """
+        target = self.settings.target_epsilon
+        if target is None or steps <= self._budget_steps:
+            return True
+        if self.epsilon_after(steps - self._ledger.steps) > target * (1 + 1e-9):
+            return False
+        self._budget_steps = steps
+        return True
+
+    def _epsilon_due(self) -> bool:
+        """Whether ε is refreshed after this step: the run's first and last planned steps, else while it is cheap."""
+        if self.steps_this_run == 1 or self._steps_done >= self._planned_steps:
+            return True
+        return self._accounting_seconds <= EPSILON_OVERHEAD * (time.perf_counter() - self._started_at)
+
+    def _refresh_epsilon(self) -> None:
+        begin = time.perf_counter()
+        self._epsilon_spent = self._accountant().epsilon() if self._ledger.steps else 0.0
+        self._epsilon_steps = self._ledger.steps
+        self._accounting_seconds += time.perf_counter() - begin
+
+    def _stop(self) -> None:
         """Stop before a step that would spend more than ``target_epsilon``; say so unless the plan ends here."""
         self.should_stop = True
         if self._steps_done >= self._planned_steps:
             return
         self._warn(
-            f"DP-SGD: privacy budget spent: ε={spent:.4f} of "
+            f"DP-SGD: privacy budget spent: ε={self._epsilon_spent:.4f} of "
             f"target_epsilon={self.settings.target_epsilon} after {self._ledger.steps} DP steps; the next step would "
-            f"spend ε={next_epsilon:.4f}, so training stops here"
+            f"spend ε={self.epsilon_after(1):.4f}, so training stops here"
         )
 
     # --- opening the ledger ----------------------------------------------------------------------------------------
@@ -404,7 +448,8 @@ class DPSGD:
             raise ValueError(f"{FLAG_OWNER}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
         target, rate = self.settings.target_epsilon, self._sample_rate
         assert target is not None and rate is not None
-        prior, spent = self.history.accountant_history(), self._accountant().epsilon()
+        prior = self.history.accountant_history()
+        spent = self._accountant().epsilon() if prior else 0.0
         if prior and spent >= target:
             raise ValueError(
                 f"{FLAG_OWNER}.target_epsilon={target:g} is already spent: these weights' privacy history counts "
