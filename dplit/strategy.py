@@ -20,7 +20,6 @@ from typing_extensions import override
 from dplit.privacy.accountant import Mechanism, PrivacyAccountant
 from dplit.privacy.dpsgd import DPSGD, NO_NOISE_WARNING, clipping_engine
 from dplit.privacy.engine import Batch, ClippingEngine
-from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.noise import NoiseSource
@@ -28,7 +27,7 @@ from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.world import ProcessGroup, SingleProcess, World
 from dplit.step_logging import log_clipping, log_spend
-from dplit.strategy_checks import check_trainer, checkpoint_folder
+from dplit.strategy_checks import check_module, check_trainer, checkpoint_folder
 
 __all__ = ["INTERRUPT_CHECKPOINT", "NO_NOISE_WARNING", "DPStrategy"]
 
@@ -105,29 +104,9 @@ class DPStrategy(DDPStrategy):
         return self._dpsgd.accountant if self._dpsgd is not None else None
 
     @property
-    def sample_rate(self) -> float | None:
-        """The Poisson rate q = expected logical batch size / N."""
-        return self._dpsgd.sample_rate if self._dpsgd is not None else None
-
-    @property
-    def dataset_size(self) -> int | None:
-        """N, the training examples Poisson sampling draws from (``None`` before training starts)."""
-        return self._dpsgd.dataset_size if self._dpsgd is not None else None
-
-    @property
-    def expected_batch_size(self) -> float:
-        """q·N: the global logical batch size the noisy sum is divided by."""
-        return self.dpsgd.expected_batch_size
-
-    @property
     def private_diagnostics(self) -> bool:
         """Whether diagnostics computed from the private batches without noise are logged."""
         return self.settings.private_diagnostics
-
-    @property
-    def privacy_history(self) -> PrivacyHistory:
-        """The trained weights' privacy history (the module's: this run continues it)."""
-        return self.lightning_module.privacy_history
 
     def make_clipping_engine(self, module: nn.Module) -> ClippingEngine:
         """The clipping engine for ``module`` (``settings.clipping``); an audit's broken mechanism may replace it."""
@@ -136,7 +115,7 @@ class DPStrategy(DDPStrategy):
     @override
     def setup(self, trainer: Trainer) -> None:
         check_trainer(trainer, self.precision_plugin, planned=self.settings.target_epsilon is not None)
-        _check_module(self.lightning_module)
+        check_module(self.lightning_module)
         super().setup(trainer)
 
     @override
@@ -259,16 +238,3 @@ class DPStrategy(DDPStrategy):
         elif self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
             raise ValueError(f"{checkpoint_path} has no privacy ledger: it was not saved by DPStrategy")
         return checkpoint
-
-
-def _check_module(module: LightningModule) -> None:
-    """Refuse a module DP-SGD cannot train: no per-example loss, no privacy history, manual optimization."""
-    if not callable(getattr(module, "per_example_loss", None)):
-        raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
-    if not isinstance(getattr(module, "privacy_history", None), PrivacyHistory):
-        raise TypeError(
-            f"DPStrategy needs {type(module).__name__}.privacy_history, the weights' "
-            "dplit.privacy.history.PrivacyHistory (subclass dplit.module.CausalLMModule, which keeps one)"
-        )
-    if not module.automatic_optimization:
-        raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+
+from dplit.privacy.history import PrivacyHistory
 
 TESTED_PRECISIONS = ("32-true", "64-true", "bf16-mixed")
 """The precisions the DP path is tested with; others (``16-true``: fp16 weights overflow to NaN) are refused."""
@@ -48,6 +50,19 @@ def check_precision(precision: Precision) -> None:
             f"trainer.precision={name!r} is not supported with DPStrategy (the DP path is tested with "
             f"{', '.join(TESTED_PRECISIONS)}; '16-true' weights overflow to NaN): use 'bf16-mixed' or '32-true'"
         )
+
+
+def check_module(module: LightningModule) -> None:
+    """Refuse a module DP-SGD cannot train: no per-example loss, no privacy history, manual optimization."""
+    if not callable(getattr(module, "per_example_loss", None)):
+        raise TypeError(f"DPStrategy needs {type(module).__name__}.per_example_loss(batch) -> Tensor[B]")
+    if not isinstance(getattr(module, "privacy_history", None), PrivacyHistory):
+        raise TypeError(
+            f"DPStrategy needs {type(module).__name__}.privacy_history, the weights' "
+            "dplit.privacy.history.PrivacyHistory (subclass dplit.module.CausalLMModule, which keeps one)"
+        )
+    if not module.automatic_optimization:
+        raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
 
 
 def checkpoint_folder(trainer: Trainer, log_dir: str | None) -> Path:

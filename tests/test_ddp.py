@@ -306,7 +306,7 @@ def test_two_process_checkpoint_resumes_on_one_process_with_the_ledger(
         tmp_path, BY_NAME["noisy_untied"], ckpt_path=checkpoint, max_steps=6, callbacks=[start], noise_seeds=seeds
     )
     assert_identical(start.state, ranks[0]["final"])
-    assert strategy.expected_batch_size == BATCH_SIZE and strategy.sample_rate == Q
+    assert strategy.dpsgd.expected_batch_size == BATCH_SIZE and strategy.dpsgd.sample_rate == Q
     assert strategy.accountant.steps == trainer.global_step == 6
     assert strategy.accountant.epsilon() == pytest.approx(opacus_epsilon(1.0, 6), rel=1e-9)
     assert seeds == [derive_seed(0, "noise", 4), derive_seed(0, "noise", 5)]  # fresh noise after a resume

@@ -112,7 +112,7 @@ def test_dp_step_is_clipped_sum_over_expected_batch(tmp_path: Path, engine: str,
     recorder = BatchRecorder()
     _, strategy = fit(tmp_path, model, max_steps=1, callbacks=[recorder], clipping=engine)
     batch = recorder.batches[0]
-    assert 0 < batch["labels"].shape[0] and strategy.expected_batch_size == 16
+    assert 0 < batch["labels"].shape[0] and strategy.dpsgd.expected_batch_size == 16
     grads = brute_force.per_example_gradients(initial, initial.per_example_loss, batch)
     expected = brute_force.clipped_sum(grads, 0.1)
     for (name, param), (_, before) in zip(model.named_parameters(), initial.named_parameters()):

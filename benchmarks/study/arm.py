@@ -125,7 +125,7 @@ def child_main(spec_json: str) -> None:
         "delta": accountant.delta if accountant is not None else None,
         "accountant_steps": accountant.steps if accountant is not None else None,
         "noise_multiplier": strategy.noise_multiplier if private else None,
-        "sample_rate": strategy.sample_rate if private else None,
+        "sample_rate": strategy.dpsgd.sample_rate if private and fit else None,
         "ledger_epsilon": ledger.get("epsilon") if ledger else None,
         "noise": ledger.get("noise") if ledger else None,
         "step_time_s": statistics.fmean(times) if times else None,

@@ -238,8 +238,8 @@ def _report(strategy: DPStrategy, settings: AuditSettings, bound: AuditBound, *,
         "steps": accountant.steps,
         "noise_multiplier": strategy.noise_multiplier,
         "max_grad_norm": strategy.max_grad_norm,
-        "sample_rate": strategy.sample_rate,
-        "dataset_size": strategy.dataset_size,
+        "sample_rate": strategy.dpsgd.sample_rate,
+        "dataset_size": strategy.dpsgd.dataset_size,
         "seed": settings.seed,
     }
 

@@ -149,8 +149,11 @@ class DPSGD:
 
     @property
     def epsilon_steps(self) -> int:
-        """The DP steps :attr:`epsilon_spent` counts: all of them after the first and last planned steps, a stop, and
-        :meth:`finish`; between those, ε is refreshed while that costs at most ``EPSILON_OVERHEAD`` of the run's time."""
+        """The DP steps :attr:`epsilon_spent` counts.
+
+        All of them after the first and last planned steps, a stop, and :meth:`finish`; between those, ε is refreshed
+        while that costs at most ``EPSILON_OVERHEAD`` of the run's time.
+        """
         return self._epsilon_steps
 
     @property
