@@ -128,6 +128,7 @@ def cell(row: dict[str, Any] | None) -> str:
 
 
 def claimed_text(rows: list[dict[str, Any]], claimed: float | None) -> str:
+    """The claimed-ε cell of a table row: the ε the audit's runs report, else the target (∞ without noise)."""
     if claimed is None:
         return "∞ (σ = 0)"
     done = [row["report"]["claimed_epsilon"] for row in rows if "report" in row]

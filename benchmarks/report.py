@@ -180,8 +180,11 @@ def _targets_of(group: list[Row], model: str, batch: int, seq_len: int, privatiz
 
 
 def _lora_targets(group: list[Row], size: dict[str, Any], official: bool, privatize: str) -> list[dict[str, Any]]:
-    """The LoRA targets, per embedding policy measured: ghost LoRA ≤ 1.15× non-private LoRA step time and ≤ 1.1×
-    its peak memory; at SmolLM2 size also ghost LoRA peak memory ≤ 0.6× ghost full fine-tuning."""
+    """The LoRA targets, per embedding policy measured.
+
+    Ghost LoRA ≤ 1.15× non-private LoRA step time and ≤ 1.1× its peak memory; at SmolLM2 size also ghost LoRA peak
+    memory ≤ 0.6× ghost full fine-tuning.
+    """
     results = []
     for policy in ("tied", "untied"):
         plain, ghost = _find(group, "non_private_lora", policy), _find(group, "dplit_ghost_lora", policy, privatize)
@@ -333,7 +336,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
 
     by_size = groups(results["rows"])
     fig, axes = plt.subplots(len(by_size), 2, figsize=(14, 4.0 * len(by_size)), squeeze=False)
-    for (model, batch, seq_len), axis_pair in zip(by_size, axes):
+    for (model, batch, seq_len), axis_pair in zip(by_size, axes, strict=True):
         group = by_size[(model, batch, seq_len)]
         labels = [display_name(r).replace(" [", "\n[").replace(" ", "\n", 1) + f"\n{r['policy']}" for r in group]
         for axis, field, title, limit in (
@@ -344,7 +347,7 @@ def chart(results: dict[str, Any], path: Path) -> None:
             colors = ["#888888" if r["method"].startswith("non_private") else "#1f77b4" if r["method"].startswith("dplit")
                       else "#ff7f0e" for r in group]
             bars = axis.bar(range(len(group)), values, color=colors)
-            for bar, row in zip(bars, group):
+            for bar, row in zip(bars, group, strict=True):
                 text = f"{row[field]:.2f}" if row.get(field) else row["status"]
                 axis.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                               va="bottom", fontsize=8)
@@ -393,6 +396,7 @@ def write(results: dict[str, Any], out_dir: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Re-render table.md and chart.png of the results folder named in ``argv`` and print the table."""
     parser = argparse.ArgumentParser(description="Re-render table.md and chart.png from a results.json folder")
     parser.add_argument("folder", type=Path)
     args = parser.parse_args(argv)

@@ -63,6 +63,7 @@ LORA_CONFIGS = (
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The suite's arguments: the defaults of ``--quick``, ``--lora`` or the full suite filled in, configs parsed."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny model (2 layers, 128 wide, full vocabulary), B=8")
     parser.add_argument("--models", nargs="+", choices=tuple(MODELS), default=None,
@@ -228,6 +229,11 @@ def write_partial(results: dict[str, Any], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run every configuration of the suite, each in its own process, and write results.json, table.md and chart.png.
+
+    Rows are written as each configuration ends (``--append`` keeps an earlier suite's); a configuration measured while
+    other processes kept the CPUs busy is retried up to ``--retries`` times, keeping the quieter measurement.
+    """
     args = parse_args(argv)
     command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
     machine = machine_info(threads=args.threads, device=args.device)

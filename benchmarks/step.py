@@ -117,6 +117,7 @@ def backbone_config(model: str, seq_len: int) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The arguments of one configuration: method, embedding policy, model size, batch, sequence length and timing."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--policy", choices=POLICIES, required=True, help="tied or untied input/output embeddings")
@@ -169,6 +170,7 @@ def others_share(before: tuple[int, int], after: tuple[int, int], own_cpu_s: flo
 
 
 def build_model(args: argparse.Namespace, device: Any) -> Any:
+    """The model every method trains: a random-weight classifier (causal LM with ``--task lm``), in train mode."""
     from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
     from dplit.model import CausalLMClassifier
 
@@ -197,6 +199,7 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
 
 
 def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    """One batch of B random sequences of T real tokens (no padding), with random labels, seeded by ``--seed``."""
     import torch
 
     generator = torch.Generator().manual_seed(args.seed + 1)
@@ -332,6 +335,10 @@ def classify_error(error: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Time and measure one configuration: the result row (step times, memory, ``status`` and its message).
+
+    A method that raises is recorded as refused or failed (its message kept, cut at 500 characters), not raised.
+    """
     import torch
 
     if args.threads:
@@ -436,6 +443,7 @@ def profile_one_step(step: Callable[[], None], path: Path, cuda: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure the configuration ``argv`` names, write its result to ``--out``, print a summary as one JSON line."""
     args = parse_args(argv)
     result = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)

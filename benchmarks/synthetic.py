@@ -1,5 +1,7 @@
-"""DP synthetic data, end to end: private SST-2 rows → a DP language model → labelled synthetic reviews → a
-NON-private classifier trained on the synthetic rows only → accuracy on the real SST-2 dev set.
+"""DP synthetic data, end to end: from private SST-2 rows to accuracy on the real SST-2 dev set.
+
+Private SST-2 rows → a DP language model → labelled synthetic reviews → a NON-private classifier trained on the
+synthetic rows only → accuracy on the real SST-2 dev set.
 
     python -m benchmarks.synthetic --smoke     # 32 private rows, 1 ε, 64 dev rows: a few minutes (a check)
     python -m benchmarks.synthetic             # default CPU profile (see PROFILES): under an hour on 2 CPU cores
@@ -102,6 +104,7 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The pipeline's arguments, with the profile's values (``--smoke``, default, ``--full``) where none is given."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.synthetic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     profile = parser.add_mutually_exclusive_group()
@@ -437,6 +440,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_table(results: dict[str, Any]) -> str:
+    """``table.md``: the settings in words, the machine, one row per arm and ε (accuracy, synthetic set), every run."""
     s, subset = results["settings"], results["training_subset"]
     lines = [
         "# DP synthetic data: SmolLM2-135M-Instruct on SST-2",
@@ -522,6 +526,7 @@ def _number(value: float | None, digits: int) -> str:
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
+    """Summarise the runs and write results.json and table.md into ``out``."""
     results["summary"] = summarize(results["runs"])
     write_json(results, out / "results.json")
     (out / "table.md").write_text(render_table(results))
@@ -547,8 +552,10 @@ def prepare_files(args: argparse.Namespace, sources: dict[str, Any]) -> dict[str
 
 
 def plan(args: argparse.Namespace, *, control: bool = True) -> list[tuple[str, float | None, int]]:
-    """(arm, ε, seed) in running order: zero-shot once; per seed the pretrained control (``control``), then per ε the
-    DP classifier and the pipeline."""
+    """(arm, ε, seed) in running order.
+
+    Zero-shot once; per seed the pretrained control (``control``), then per ε the DP classifier and the pipeline.
+    """
     runs: list[tuple[str, float | None, int]] = [("zero_shot", None, args.seeds[0])]
     for seed in args.seeds:
         if control:
@@ -559,6 +566,10 @@ def plan(args: argparse.Namespace, *, control: bool = True) -> list[tuple[str, f
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the planned arms one by one, writing the results after each, then print the table.
+
+    ``--dry-run`` only prints the plan.
+    """
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     install_stop_handlers()

@@ -159,6 +159,7 @@ NUMERIC_SETTINGS = ("epochs", "batch_size", "lr", "lora_lr", "max_length", "eval
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The study's arguments, with the profile's values (``--smoke``, default, ``--full``) where none is given."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tying", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     profile = parser.add_mutually_exclusive_group()
@@ -246,8 +247,10 @@ def _named(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def grid_runs(args: argparse.Namespace, arms: tuple[str, ...], rows: int | None) -> list[dict[str, Any]]:
-    """The DP runs of ``arms`` at one scale, seed by seed (so a partial grid holds whole pairs); with common noise
-    both arms of seed s run ``DPStrategy(seed=s)`` (``dp_seed``)."""
+    """The DP runs of ``arms`` at one scale, seed by seed (so a partial grid holds whole pairs).
+
+    With common noise both arms of seed s run ``DPStrategy(seed=s)`` (``dp_seed``).
+    """
     chosen = [arm for arm in arms if arm in args.arms]
     return _named([{"arm": arm, "epsilon": epsilon, "seed": seed, "rows": rows,
                     "dp_seed": seed if args.noise == "common" else None}
@@ -267,8 +270,10 @@ def reference_runs(args: argparse.Namespace, rows: int | None, lr: float) -> lis
 
 
 def chosen_lr(rows: list[dict[str, Any]], scale: int | None, candidates: list[float]) -> float | None:
-    """The sweep's learning rate at ``scale``: the best held-out accuracy (ties: the smaller rate); ``None`` until
-    every candidate has a result."""
+    """The sweep's learning rate at ``scale``; ``None`` until every candidate has a result.
+
+    The rate with the best held-out accuracy (ties: the smaller rate).
+    """
     done = {r["lr"]: r["val_acc"] for r in rows if r.get("sweep") and r["rows"] == scale and r["status"] == "ok"}
     if not candidates or any(lr not in done for lr in candidates):
         return None
@@ -314,9 +319,10 @@ def migrate_record(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 def rerun_plan(record: dict[str, Any], argv: list[str], code: str = STUDY_CODE_VERSION) -> dict[str, list[str]]:
-    """What ``python -m benchmarks.tying ARGV`` would do with ``record`` as its results.json, at code version
-    ``code``: the names of the recorded rows it keeps (``kept``) and drops (``dropped``), of the runs it plans and
-    finds recorded (``skip``) and of those it would run (``run``).
+    """What ``python -m benchmarks.tying ARGV`` would do with ``record`` as its results.json, at code version ``code``.
+
+    The names of the recorded rows it keeps (``kept``) and drops (``dropped``), of the runs it plans and finds
+    recorded (``skip``) and of those it would run (``run``).
 
     Nothing runs and no data is read: the arms' sources are the ones ``record`` names (the fingerprints leave their
     paths out). A complete grid rerun with the command that made it runs nothing.
@@ -378,7 +384,14 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
 
 
 class Study:
-    """The sources, the held-out slice and the code version one sitting runs its arms with."""
+    """The sources, the held-out slice and the code version one sitting runs its arms with.
+
+    Args:
+        args: the study's arguments (:func:`parse_args`).
+        sources: where the model, tokenizer and SST-2 come from (``sst2.prepare``).
+        holdout: the held-out slice the learning-rate sweep validates on (``None``: no sweep).
+        code: the study code version (:func:`study_code_version`).
+    """
 
     def __init__(self, args: argparse.Namespace, sources: dict[str, Any], holdout: dict[str, Any] | None,
                  code: str) -> None:
@@ -398,8 +411,10 @@ class Study:
         return dplit_args(self.args, self.holdout, {**run, "rows": rows}, log_dir)
 
     def fingerprint(self, run: dict[str, Any]) -> str:
-        """The fingerprint of ``run``: the code version, its config's digest and its portable command (its log folder
-        and the machine's paths left out; :mod:`benchmarks.study.version`)."""
+        """The fingerprint of ``run``: the code version, its config's digest and its portable command.
+
+        Its log folder and the machine's paths are left out (:mod:`benchmarks.study.version`).
+        """
         folder = self.args.logs / run["name"]
         command = portable_command(self.command(run, folder), {**self.replacements, str(folder): "<logs>"})
         return fingerprint(self.code, self.configs[ARMS[run["arm"]].config], command)
@@ -446,7 +461,7 @@ def paired(ok: list[dict[str, Any]], scale: int | None, name: str, untied_arm: s
         statistics = paired_statistics(values)
         needed = seeds_for_half_width(statistics["std"], RESOLUTION) if statistics["std"] else None
         differences.append({"comparison": name, "rows": scale, "target_epsilon": epsilon, "seeds": seeds,
-                            "per_seed": dict(zip(map(str, seeds), values)), **statistics,
+                            "per_seed": dict(zip(map(str, seeds), values, strict=True)), **statistics,
                             "seeds_for_half_width": {"half_width": RESOLUTION, "seeds": needed}})
     return differences
 
@@ -496,6 +511,7 @@ def sittings_line(results: dict[str, Any]) -> str:
 
 
 def render_table(results: dict[str, Any]) -> str:
+    """``table.md``: the settings in words, machine and time, paired untied − tied differences, every arm and run."""
     s, subsets = results["settings"], results["training_subsets"]
     scales = ", ".join(f"{sub['rule']} (positive share {sub.get('positive_share', float('nan')):.2f})"
                        for sub in subsets)
@@ -633,6 +649,7 @@ def render_chart(results: dict[str, Any], path: Path) -> bool:
 
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
+    """Summarise the runs and write results.json, table.md and chart.png into ``out``."""
     results["summary"] = summarize(results["runs"])
     write_json(results, out / "results.json")
     (out / "table.md").write_text(render_table(results))
@@ -732,6 +749,11 @@ def dry_run(args: argparse.Namespace, study: Study) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one sitting of the study: every planned arm not already recorded with the same fingerprint.
+
+    Earlier rows recorded with other settings or code are dropped (saying how many); ``--dry-run`` only prints the
+    plan. The results are written after every arm, then the table is printed.
+    """
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     install_stop_handlers()

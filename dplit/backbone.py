@@ -132,7 +132,7 @@ def _default_config(model_type: str) -> PretrainedConfig:
 
 
 def _config_error(error: Exception, given: dict[str, Any]) -> str:
-    """transformers' (multi-line) validation error of a config as one line naming the ``model.config`` key."""
+    """Transformers' (multi-line) validation error of a config as one line naming the ``model.config`` key."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     detail = re.sub(r"^\w+Error: ", "", lines[-1]).split(" Errors:")[0].rstrip(".")
     detail = re.sub(r"<class '(\w+)'>", r"\1", detail)

@@ -89,8 +89,8 @@ class ParameterSummary(ModelSummary):
     ) -> None:
         columns = [(name, values) for name, values in summary_data if total_flops or name != "FLOPs"]
         widths = [max([len(name), *(len(str(value)) for value in values)]) for name, values in columns]
-        rows = [[name for name, _ in columns], *zip(*(values for _, values in columns))]
-        lines = [" | ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths)) for row in rows]
+        rows = [[name for name, _ in columns], *zip(*(values for _, values in columns), strict=True)]
+        lines = [" | ".join(f"{str(cell):<{width}}" for cell, width in zip(row, widths, strict=True)) for row in rows]
         totals = {
             "Trainable params": f"{trainable_parameters:,}",
             "Non-trainable params": f"{total_parameters - trainable_parameters:,}",
@@ -113,16 +113,20 @@ _QUIET_BARS: dict[type, type] = {
 
 
 def use_plain_summary(trainer: Trainer) -> None:
-    """Swap the model summary Lightning added by default for :class:`ParameterSummary` (call it only when the user
-    configured no model summary of their own)."""
+    """Swap the model summary Lightning added by default for :class:`ParameterSummary`.
+
+    Call it only when the user configured no model summary of their own.
+    """
     for index, callback in enumerate(trainer.callbacks):
         if type(callback) in _QUIET_SUMMARIES:
             trainer.callbacks[index] = ParameterSummary()
 
 
 def use_quiet_progress_bar(trainer: Trainer) -> None:
-    """Swap the progress bar Lightning added by default for the same kind without ``v_num`` (call it only when
-    the user configured no progress bar of their own)."""
+    """Swap the progress bar Lightning added by default for the same kind without ``v_num``.
+
+    Call it only when the user configured no progress bar of their own.
+    """
     for index, callback in enumerate(trainer.callbacks):
         if type(callback) in _QUIET_BARS:
             trainer.callbacks[index] = _QUIET_BARS[type(callback)]()

@@ -302,8 +302,11 @@ class DPLitCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Lightning's trainer, its default progress bar without ``v_num`` and its default summary without a FLOPs
-        column of zeros (a progress bar or summary the user configured is kept as it is)."""
+        """Lightning's trainer, with dplit's default progress bar and model summary.
+
+        The default progress bar loses ``v_num`` and the default summary its FLOPs column of zeros; a progress bar or
+        summary the user configured is kept as it is.
+        """
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init  # dplit audit: none
         configured = list(config.get("trainer", {}).get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults

@@ -172,7 +172,7 @@ class CausalLanguageModel(CausalLMModule):
         samples = self.generate_text(self._sample_prompts, tokenizer, self.hparams.sample_tokens)
         for logger in self.loggers:
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
-                text = "\n\n".join(f"**{p}** → {s}" for p, s in zip(self._sample_prompts, samples))
+                text = "\n\n".join(f"**{p}** → {s}" for p, s in zip(self._sample_prompts, samples, strict=True))
                 logger.experiment.add_text("samples/greedy", text, global_step=self.global_step)
 
 

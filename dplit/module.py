@@ -136,9 +136,12 @@ class CausalLMModule(LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Record the weights' privacy history, the classes, embedding policy, dplit commit, backbone config and
-        tokenizer (all ``dplit export`` needs), and seal the weights and the history with a digest (checked on resume
-        and export; the config and tokenizer only shape the release, a post-processing of the weights)."""
+        """Record all ``dplit export`` needs, and seal the weights and their privacy history with a digest.
+
+        Recorded: the weights' privacy history, the classes, embedding policy, dplit commit, backbone config and
+        tokenizer. The digest is checked on resume and export; the config and tokenizer only shape the release, a
+        post-processing of the weights.
+        """
         datamodule = getattr(self._trainer, "datamodule", None)
         checkpoint[RELEASE_KEY] = release_record(self, datamodule)
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()

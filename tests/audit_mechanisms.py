@@ -18,8 +18,10 @@ from dplit.privacy.engine import ClippingEngine
 
 
 class HalfNoise(CanaryDPStrategy):
-    """Releases the noise at std 0.5·σC while the accountant counts σ: doubles the clipped sum (canaries included)
-    before the noise and halves the noisy sum after it."""
+    """Releases the noise at std 0.5·σC while the accountant counts σ.
+
+    Doubles the clipped sum (canaries included) before the noise and halves the noisy sum after it.
+    """
 
     @override
     def setup(self, trainer: Any) -> None:

@@ -16,7 +16,8 @@ def per_example_gradients(module: nn.Module, loss_fn: PerExampleLoss, batch: Bat
     for i in range(size):
         example = {key: value[i : i + 1] for key, value in batch.items()}  # [1, ...] per field
         loss = loss_fn(example)[0]
-        grads.append(dict(zip(params, torch.autograd.grad(loss, list(params.values()), allow_unused=True))))
+        grad = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        grads.append(dict(zip(params, grad, strict=True)))
     return [{n: (g if g is not None else torch.zeros_like(params[n])) for n, g in eg.items()} for eg in grads]
 
 
@@ -29,4 +30,4 @@ def clipped_sum(grads: list[dict[str, Tensor]], max_grad_norm: float) -> dict[st
     """Σ_i min(1, C/‖g_i‖) g_i, per parameter."""
     norms = gradient_norms(grads)
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-    return {name: sum(f * eg[name] for f, eg in zip(factors, grads)) for name in grads[0]}
+    return {name: sum(f * eg[name] for f, eg in zip(factors, grads, strict=True)) for name in grads[0]}

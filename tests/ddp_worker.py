@@ -74,9 +74,11 @@ class IndexedTokenData(L.LightningDataModule):
         self.train_set, self.val_set = IndexedTokens(TRAIN_SIZE, seed=train_seed), IndexedTokens(32, seed=1)
 
     def train_dataloader(self) -> DataLoader:
+        """The training rows, shuffled, in batches of ``BATCH_SIZE`` (the strategy swaps in Poisson sampling)."""
         return DataLoader(self.train_set, batch_size=BATCH_SIZE, shuffle=True, collate_fn=collate)
 
     def val_dataloader(self) -> DataLoader:
+        """The validation rows in batches of 8."""
         return DataLoader(self.val_set, batch_size=8, collate_fn=collate)
 
 
@@ -110,15 +112,18 @@ class Recorder(Callback):
         self.collectives: list[dict[str, int]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Keep the parameters as training starts."""
         self.at_train_start = _state(pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        """Keep the parameters before the step and the batch's dataset indices; start counting collectives."""
         self.before_step.append(_state(pl_module))
         self.batches.append(batch["index"].tolist())
         self.counter.counts.clear()
         self.counter.open = True
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        """Stop counting collectives; keep the step's counts and gradients."""
         self.counter.open = False
         self.collectives.append(dict(self.counter.counts))
         self.grads.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})

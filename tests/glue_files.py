@@ -30,7 +30,7 @@ SST2_ROWS = [
 
 
 def write_tsv(folder: Path, name: str, header: str, rows: list[str]) -> Path:
-    """A GLUE-format TSV file (header line, tab-separated rows, ``\\n`` line ends)."""
+    r"""A GLUE-format TSV file (header line, tab-separated rows, ``\n`` line ends)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     path.write_text("".join(f"{line}\n" for line in [header, *rows]), encoding="utf-8")

@@ -1,5 +1,7 @@
-"""The privacy ledger agrees with opacus' accountants, round-trips through state_dict, and refuses (in one line
-naming the flag) what opacus cannot account for, before computing anything."""
+"""The privacy ledger agrees with opacus' accountants, round-trips through state_dict, and refuses in one line.
+
+What opacus cannot account for is refused (in one line naming the flag) before anything is computed.
+"""
 
 from __future__ import annotations
 
@@ -179,8 +181,10 @@ def test_accepted_inputs_pass() -> None:
 
 
 def test_audit_cases_refuse_before_any_accounting(no_accounting: None) -> None:
-    """target_epsilon 1e6 (opacus bisects toward σ → 0 and hangs) and noise_multiplier 1e-6 (PRV allocates
-    2 PiB) are refused by arithmetic and one RDP curve, never reaching an accountant."""
+    """Budgets no accountant can compute are refused by arithmetic and one RDP curve, never reaching one.
+
+    target_epsilon 1e6 (opacus bisects toward σ → 0 and hangs) and noise_multiplier 1e-6 (PRV allocates 2 PiB).
+    """
     message = _refusal(
         calibrate_noise_multiplier, target_epsilon=1e6, delta=1e-5, sample_rate=0.01, steps=1000, mechanism="prv"
     )
@@ -193,7 +197,7 @@ def test_audit_cases_refuse_before_any_accounting(no_accounting: None) -> None:
 
 
 def test_unreachable_target_names_what_to_change() -> None:
-    """opacus' "The privacy budget is too low." becomes a refusal naming the flags, after ≤ 3 ε evaluations."""
+    """Opacus' "The privacy budget is too low." becomes a refusal naming the flags, after ≤ 3 ε evaluations."""
     message = _refusal(
         calibrate_noise_multiplier, target_epsilon=0.5, delta=1e-5, sample_rate=1.0, steps=100_000, mechanism="rdp"
     )

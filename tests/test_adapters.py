@@ -115,7 +115,8 @@ def test_lora_dropout_in_train_mode_matches_brute_force_under_the_same_masks(fam
     losses = model.per_example_loss(batch)
     grads = []
     for loss in losses:
-        grads.append(dict(zip(params, torch.autograd.grad(loss, list(params.values()), retain_graph=True))))
+        grad = torch.autograd.grad(loss, list(params.values()), retain_graph=True)
+        grads.append(dict(zip(params, grad, strict=True)))
     torch.manual_seed(7)  # the ghost engine's one forward draws the very same masks
     stats, ghost = run(GhostEngine(model, max_grad_norm=0.5), model, model.per_example_loss, batch)
     assert_close(stats.norms, brute_force.gradient_norms(grads))
@@ -261,7 +262,7 @@ def test_adapters_get_exactly_the_clipped_noisy_update_and_base_weights_never_ch
         if param.requires_grad:
             param.grad = grads.grads[0][name]
     reference.step()  # the optimizer's step from the privatised gradient, and nothing else, moved the adapters
-    for (name, after), (_, before) in zip(model.named_parameters(), initial.named_parameters()):
+    for (name, after), (_, before) in zip(model.named_parameters(), initial.named_parameters(), strict=True):
         if name in trained:
             torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-15)
 

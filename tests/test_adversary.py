@@ -302,7 +302,7 @@ def test_a_non_finite_noisy_sum_stops_the_run_before_the_optimizer_steps(tmp_pat
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(FloatingPointError, match=r"step 1: the noisy gradient sum is not finite"):
         fit(tmp_path, model, max_steps=1, noise_multiplier=1.0)
-    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before))
+    assert all(torch.equal(param, old) for param, old in zip(model.parameters(), before, strict=True))
     assert not list(tmp_path.rglob("privacy_ledger.json"))  # nothing was released, nothing charged
 
 

@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy.accountant import default_delta
-from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
@@ -181,7 +181,7 @@ def fit_one_process(
 
 def union(ranks: Ranks) -> list[list[int]]:
     """Every step's global logical batch: the concatenation of the ranks' batches."""
-    return [first + second for first, second in zip(ranks[0]["batches"], ranks[1]["batches"])]
+    return [first + second for first, second in zip(ranks[0]["batches"], ranks[1]["batches"], strict=True)]
 
 
 def assert_identical(first: Any, second: Any, where: str = "") -> None:
@@ -192,7 +192,7 @@ def assert_identical(first: Any, second: Any, where: str = "") -> None:
             assert_identical(first[key], second[key], f"{where}/{key}")
     elif isinstance(first, (list, tuple)):
         assert len(first) == len(second), where
-        for index, (a, b) in enumerate(zip(first, second)):
+        for index, (a, b) in enumerate(zip(first, second, strict=True)):
             assert_identical(a, b, f"{where}[{index}]")
     elif isinstance(first, torch.Tensor):
         assert first.dtype == second.dtype and torch.equal(first, second), f"{where} differs between ranks"

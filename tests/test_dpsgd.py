@@ -172,8 +172,11 @@ def test_every_bad_setting_is_refused_in_one_line_naming_its_flag(knobs: dict[st
 
 
 def test_a_planned_run_asks_the_accountant_for_epsilon_a_bounded_number_of_times(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One PRV ε costs 0.1-1.5 s: the plan is verified once, ε refreshed at the first and last steps (and, at most
-    EPSILON_OVERHEAD of the time, between them: 0 here), and the step past the plan is checked, never once per step."""
+    """The accountant computes ε a bounded number of times, never once per step.
+
+    One PRV ε costs 0.1-1.5 s: the plan is verified once, ε refreshed at the first and last steps (and, at most
+    EPSILON_OVERHEAD of the time, between them: 0 here), and the step past the plan is checked.
+    """
     calls: list[dict[str, Any]] = []
     epsilon = PrivacyAccountant.epsilon
     monkeypatch.setattr(PrivacyAccountant, "epsilon", lambda self, **kw: calls.append(kw) or epsilon(self, **kw))

@@ -222,8 +222,11 @@ def test_lora_merges_by_default_and_adapter_only_loads_with_peft(tmp_path: Path)
 
 
 def local_base_run(tmp_path: Path, tokenizer_files: Path, *extra: str) -> tuple[object, Path]:
-    """One DP step of ``dplit lm fit`` on a local base folder (a random tiny GPT-2 and its tokenizer, both in
-    ``tmp_path / "base"``, which ``model.pretrained`` and ``data.tokenizer`` name) and a small text file."""
+    """One DP step of ``dplit lm fit`` on a local base folder and a small text file.
+
+    The base folder holds a random tiny GPT-2 and its tokenizer, both in ``tmp_path / "base"``, which
+    ``model.pretrained`` and ``data.tokenizer`` name.
+    """
     base, rows = tmp_path / "base", tmp_path / "train.jsonl"
     tokenizer = load_tokenizer(tokenizer_files)
     torch.manual_seed(0)

@@ -53,8 +53,11 @@ def classifier(
 
 
 def attention_for(side: str) -> str:
-    """Left padding needs sdpa in float64: eager attention's float32 softmax turns float64's mask minimum into -inf,
-    so a padding query that sees no key gives NaN (float32 and bf16 models are fine with eager)."""
+    """Left padding needs sdpa in float64.
+
+    Eager attention's float32 softmax turns float64's mask minimum into -inf, so a padding query that sees no key gives
+    NaN (float32 and bf16 models are fine with eager).
+    """
     return "sdpa" if side == "left" else "eager"
 
 

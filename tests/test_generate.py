@@ -224,8 +224,10 @@ def test_the_work_is_bounded_up_front_and_never_listed_whole(exported_lm: tuple[
 
 
 def interrupted(command: list[str], started: Callable[[], bool], **variables: str) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` (with these environment ``variables``), send it Ctrl-C (SIGINT) once ``started()``, and
-    return how it ended (stdout and stderr together)."""
+    """Run ``command``, send it Ctrl-C (SIGINT) once ``started()``, and return how it ended.
+
+    ``variables`` are added to its environment; stdout and stderr come back together.
+    """
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**user_environment(), **variables})  # fmt: skip
     deadline = time.monotonic() + 300

@@ -1,6 +1,7 @@
-"""CUDA-only checks (``pytest -m gpu``): bf16-mixed ghost clipping against the fp32 reference engine, DPStrategy
-on one GPU with NCCL, and CUDA peak-memory logging. Every test skips, saying why, where torch sees no CUDA device;
-``bash benchmarks/gpu.sh`` runs them on a GPU machine.
+"""CUDA-only checks (``pytest -m gpu``), skipped (saying why) where torch sees no CUDA device.
+
+bf16-mixed ghost clipping against the fp32 reference engine, DPStrategy on one GPU with NCCL, and CUDA peak-memory
+logging. ``bash benchmarks/gpu.sh`` runs them on a GPU machine.
 
 bf16 keeps 8 bits of mantissa (relative spacing 2^-8 ≈ 4e-3), and autocast runs the forward and the output gradients
 in it while the engine forms norms and clipped sums in float32: per-example norms and clipped sums are compared with
@@ -99,7 +100,7 @@ def clipped(
 def per_parameter(model: CausalLMModule, flat: Tensor) -> dict[str, Tensor]:
     """A flat vector over the trainable parameters, split back by parameter name."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return dict(zip([n for n, _ in named], flat.split([p.numel() for _, p in named])))
+    return dict(zip([n for n, _ in named], flat.split([p.numel() for _, p in named]), strict=True))
 
 
 def reference(model: CausalLMModule, batch: Batch) -> tuple[Tensor, float, Tensor]:

@@ -215,8 +215,11 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
 
 
 def _sigint_as_at_a_terminal() -> None:
-    """SIGINT's default action in the child: a test run started in the background (``cmd &`` in a script, as a CI
-    runner may) ignores SIGINT, its children inherit that, and Python then never raises KeyboardInterrupt."""
+    """SIGINT's default action in the child.
+
+    A test run started in the background (``cmd &`` in a script, as a CI runner may) ignores SIGINT, its children
+    inherit that, and Python then never raises KeyboardInterrupt.
+    """
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

@@ -1,5 +1,8 @@
-"""ε under add/remove-one and replace-one (dp-accounting's PLD): the issue's numbers for the shipped configs, an
-exact closed form at q = 1, agreement with dplit's PRV accountant, and one-line refusals."""
+"""ε under add/remove-one and replace-one (dp-accounting's PLD).
+
+The issue's numbers for the shipped configs, an exact closed form at q = 1, agreement with dplit's PRV accountant,
+and one-line refusals.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ from dplit.privacy.sampling import poisson_loader
 def _planned_history(
     rows: int, batch_size: int, epochs: int, target: float
 ) -> tuple[list[tuple[float, float, int]], float]:
-    """The (σ, q, steps) history and δ a shipped config plans: Lightning counts ``len(poisson_loader)`` batches per
-    epoch (round(N / batch), not ceil), δ = N^-1.1, σ from dplit's own PRV calibration, as ``DPStrategy`` does."""
+    """The (σ, q, steps) history and δ a shipped config plans, as ``DPStrategy`` does.
+
+    Lightning counts ``len(poisson_loader)`` batches per epoch (round(N / batch), not ceil), δ = N^-1.1, σ from
+    dplit's own PRV calibration.
+    """
     rate = batch_size / rows
     loader = DataLoader(TensorDataset(torch.zeros(rows)), batch_size=batch_size)
     steps = epochs * len(poisson_loader(loader, sample_rate=rate, num_replicas=1, rank=0, seed=0))
@@ -64,8 +70,10 @@ def test_sst2_add_remove_matches_the_card() -> None:
 
 
 def _analytic_gaussian_epsilon(mu: float, delta: float) -> float:
-    """ε of a Gaussian mechanism with μ = sensitivity / std at δ: the root of the exact
-    δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, Theorem 8)."""
+    """ε of a Gaussian mechanism with μ = sensitivity / std at δ.
+
+    The root of the exact δ(ε) = Φ(−ε/μ + μ/2) − e^ε Φ(−ε/μ − μ/2) (Balle & Wang 2018, Theorem 8).
+    """
 
     def excess(epsilon: float) -> float:
         return norm.cdf(-epsilon / mu + mu / 2) - math.exp(epsilon) * norm.cdf(-epsilon / mu - mu / 2) - delta

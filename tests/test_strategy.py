@@ -115,7 +115,7 @@ def test_dp_step_is_clipped_sum_over_expected_batch(tmp_path: Path, engine: str,
     assert 0 < batch["labels"].shape[0] and strategy.dpsgd.expected_batch_size == 16
     grads = brute_force.per_example_gradients(initial, initial.per_example_loss, batch)
     expected = brute_force.clipped_sum(grads, 0.1)
-    for (name, param), (_, before) in zip(model.named_parameters(), initial.named_parameters()):
+    for (name, param), (_, before) in zip(model.named_parameters(), initial.named_parameters(), strict=True):
         torch.testing.assert_close(param.grad, expected[name] / 16, rtol=1e-10, atol=1e-13)
         assert not torch.equal(param, before)
 

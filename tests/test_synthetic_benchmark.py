@@ -46,7 +46,7 @@ def test_private_rows_become_instructions_with_the_loss_on_the_review_only(tmp_p
     data = TextDataModule(train_file=str(train), val_file=str(train), prompt_column="prompt",
                           response_column="response", tokenizer=str(tiny_bpe_dir), max_length=64)
     tokenizer = data.tokenizer
-    for (sentence, label), example in zip(rows, data.dataset("train")):
+    for (sentence, label), example in zip(rows, data.dataset("train"), strict=True):
         prompt_ids = tokenizer.encode(CONTROL_PROMPTS[label])
         assert example["input_ids"][: len(prompt_ids)] == prompt_ids
         assert example["loss_mask"] == [0] * len(prompt_ids) + [1] * (len(example["input_ids"]) - len(prompt_ids))

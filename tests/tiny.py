@@ -37,6 +37,7 @@ class PadCollate:
         self._side = side
 
     def __call__(self, items: list[tuple[Tensor, int]]) -> dict[str, Tensor]:
+        """The batch: ``input_ids`` and ``attention_mask`` zero-padded to the longest row, and ``labels``."""
         width = max((len(ids) for ids, _ in items), default=1)
         input_ids = torch.zeros(len(items), width, dtype=torch.long)
         mask = torch.zeros(len(items), width, dtype=torch.long)
@@ -56,7 +57,9 @@ class RandomTokenData(LightningDataModule):
         self._batch_size, self._collate = batch_size, PadCollate(side)
 
     def train_dataloader(self) -> DataLoader:
+        """The training examples, shuffled, in batches of ``batch_size``."""
         return DataLoader(self.train_set, batch_size=self._batch_size, shuffle=True, collate_fn=self._collate)
 
     def val_dataloader(self) -> DataLoader:
+        """The 32 validation examples in batches of 16."""
         return DataLoader(self.val_set, batch_size=16, collate_fn=self._collate)

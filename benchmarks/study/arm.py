@@ -31,8 +31,11 @@ except ImportError:  # the parent only needs the standard library
 
 
 class StepTimer(_Callback):  # type: ignore[misc,valid-type]
-    """Wall time and logical-batch size of every optimizer step (batch start to batch end, optimizer step included),
-    and the wall time of the whole training loop and of each validation run."""
+    """Wall time and logical-batch size of every optimizer step, and the wall time of training and of each validation.
+
+    A step is timed from batch start to batch end, optimizer step included (on CUDA, synchronised at both ends); the
+    training time is that of the whole training loop.
+    """
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -42,18 +45,23 @@ class StepTimer(_Callback):  # type: ignore[misc,valid-type]
         self._started = self._train_started = self._val_started = 0.0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start the training loop's clock."""
         self._train_started = time.perf_counter()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Record the training loop's wall time."""
         self.train_wall = time.perf_counter() - self._train_started
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start a validation run's clock."""
         self._val_started = time.perf_counter()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Record the validation run's wall time."""
         self.val_walls.append(time.perf_counter() - self._val_started)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Start the step's clock (after the device's queued work)."""
         if pl_module.device.type == "cuda":
             import torch
 
@@ -61,6 +69,7 @@ class StepTimer(_Callback):  # type: ignore[misc,valid-type]
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Record the step's wall time (once the device is done) and its logical-batch size."""
         if pl_module.device.type == "cuda":
             import torch
 
@@ -260,8 +269,9 @@ def run_all(
     write: Callable[[dict[str, Any]], None],
     jobs: int = 1,
 ) -> None:
-    """Run every arm, ``jobs`` at a time in the given order, appending its row to ``results["runs"]`` and writing the
-    results as each one ends (an interrupted study keeps what it measured).
+    """Run every arm, ``jobs`` at a time in the given order, appending its row to ``results["runs"]``.
+
+    The results are written as each arm ends (an interrupted study keeps what it measured).
 
     Args:
         runs: the arms to run, each a dict with its ``name`` (and whatever the study keys it by).

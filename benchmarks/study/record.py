@@ -1,5 +1,7 @@
-"""What every study records beside its numbers: machine and commit (:mod:`benchmarks.machine`), mean ± std, and
-results written atomically."""
+"""What every study records beside its numbers.
+
+Machine and commit (:mod:`benchmarks.machine`), mean ± std, and results written atomically.
+"""
 
 from __future__ import annotations
 

@@ -289,7 +289,7 @@ def subset_description(args: argparse.Namespace, sources: dict[str, Any], rows: 
         info["source"] = str(path)
         with path.open(encoding="utf-8-sig") as file:
             next(file)
-            labels = [line.rstrip("\n").split("\t")[-1] for line, _ in zip(file, range(rows or 10**9))]
+            labels = [line.rstrip("\n").split("\t")[-1] for line, _ in zip(file, range(rows or 10**9), strict=False)]
         info["rows"] = len(labels)
         info["positive_share"] = sum(label == "1" for label in labels) / max(1, len(labels))
     else:

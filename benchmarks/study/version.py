@@ -75,8 +75,10 @@ _CLASS_PATH = re.compile(r"(?:[a-z_][a-z0-9_]*\.)+([A-Z][A-Za-z0-9_]*)")
 
 
 def class_name(value: Any) -> Any:
-    """``value`` with every class path (``dplit.embeddings.UntiedEmbeddings``) reduced to its class name, in nested
-    lists and dicts too: where a class lives is not what it computes."""
+    """``value`` with every class path reduced to its class name, in nested lists and dicts too.
+
+    ``dplit.embeddings.UntiedEmbeddings`` becomes ``UntiedEmbeddings``: where a class lives is not what it computes.
+    """
     if isinstance(value, str):
         match = _CLASS_PATH.fullmatch(value)
         return match.group(1) if match else value
@@ -88,8 +90,10 @@ def class_name(value: Any) -> Any:
 
 
 def portable_command(argv: list[str], replacements: dict[str, str]) -> list[str]:
-    """The dplit command line as a fingerprint holds it: machine paths replaced, class paths (as values or inside a
-    JSON value) by class name, the config by its file name."""
+    """The dplit command line as a fingerprint holds it.
+
+    Machine paths replaced, class paths (as values or inside a JSON value) by class name, the config by its file name.
+    """
     command = []
     for index, item in enumerate(argv):
         item = replacements.get(item, item)
@@ -107,8 +111,10 @@ def portable_command(argv: list[str], replacements: dict[str, str]) -> list[str]
 
 
 def config_digest(path: Path) -> str:
-    """A digest of a dplit config by content: its parsed YAML, class paths by class name (comments, layout, key order
-    and the module a class lives in do not count)."""
+    """A digest of a dplit config by content: its parsed YAML, class paths by class name.
+
+    Comments, layout, key order and the module a class lives in do not count.
+    """
     import yaml
 
     data = class_name(yaml.safe_load(path.read_text(encoding="utf-8")))
@@ -116,14 +122,19 @@ def config_digest(path: Path) -> str:
 
 
 def fingerprint(code: str, config: str | None, command: list[str]) -> str:
-    """What makes two runs of a study the same run (format :data:`FORMAT`): the code version, the digest of the
-    config and the portable command (:func:`portable_command`)."""
+    """What makes two runs of a study the same run (format :data:`FORMAT`).
+
+    The code version, the digest of the config and the portable command (:func:`portable_command`).
+    """
     return json.dumps({"format": FORMAT, "code": code, "config": config, "command": command})
 
 
 def migrate_fingerprint(text: str) -> str:
-    """A recorded fingerprint in the current format (format 1: its command made portable, its config digest from
-    :data:`RECORDED_CONFIG_DIGESTS`, ``None`` for a code version not listed there, which then matches nothing)."""
+    """A recorded fingerprint in the current format.
+
+    Format 1: its command made portable, its config digest from :data:`RECORDED_CONFIG_DIGESTS`, ``None`` for a code
+    version not listed there, which then matches nothing.
+    """
     recorded = json.loads(text)
     if recorded.get("format") == FORMAT:
         return text
@@ -134,8 +145,10 @@ def migrate_fingerprint(text: str) -> str:
 
 
 def study_code_version(root: Path = ROOT) -> str:
-    """:data:`STUDY_CODE_VERSION`, plus a digest of the uncommitted changes under :data:`CODE_PATHS` when there are
-    any (outside a git checkout: none can be seen, and the version is :data:`STUDY_CODE_VERSION`)."""
+    """:data:`STUDY_CODE_VERSION`, plus a digest of the uncommitted changes under :data:`CODE_PATHS` if any.
+
+    Outside a git checkout none can be seen, and the version is :data:`STUDY_CODE_VERSION`.
+    """
 
     def git(*command: str) -> str:
         try:

@@ -175,6 +175,9 @@ class PowerCheck(Callback):
 
     Then no outcome could refute any ε. Lightning calls callbacks' ``on_train_start`` before the strategy's, so the
     check runs at the first epoch's start.
+
+    Args:
+        settings: the audit's settings (the number of canaries m and the confidence).
     """
 
     def __init__(self, settings: AuditSettings) -> None:

@@ -106,8 +106,10 @@ class GlueDataModule(LightningDataModule):
         self._datasets: dict[Split, TokenizedDataset] = {}
 
     def prepare_data(self) -> None:
-        """Download the GLUE task from the hub once (only when ``data_dir`` is ``None``), refusing in one line when the
-        hub cannot give it."""
+        """Download the GLUE task from the hub once (only when ``data_dir`` is ``None``).
+
+        Refuses in one line when the hub cannot give it.
+        """
         if self.task != "synthetic" and self.data_dir is None:
             try:
                 datasets.load_dataset(HUB_DATASET, self.task)
@@ -181,8 +183,11 @@ class GlueDataModule(LightningDataModule):
         return load_hub_split(self.spec, _HUB_SPLITS[split], limit)
 
     def _tokenize(self, texts: TextSplit, *, private: bool) -> TokenizedDataset:
-        """Encode a split's prompts; its length statistics are logged unless the split is private and the trainer's
-        strategy keeps private diagnostics out of the logs (``DPStrategy.private_diagnostics=false``)."""
+        """Encode a split's prompts, logging their length statistics.
+
+        The statistics stay out of the logs when the split is private and the trainer's strategy keeps private
+        diagnostics out of them (``DPStrategy.private_diagnostics=false``).
+        """
         encoded = self.prompt.encode(texts.texts)
         labels = [self._class_index[label] for label in texts.labels]
         quiet = private and not getattr(getattr(self.trainer, "strategy", None), "private_diagnostics", True)

@@ -389,7 +389,7 @@ def _read_csv(path: Path, file: TextIO, column: str) -> Iterator[Record]:
                 f"(line {header_line}), found {len(row)}"
             )
         count += 1
-        yield Record(line, dict(zip(header, row)))
+        yield Record(line, dict(zip(header, row, strict=True)))
     if not count:
         raise ValueError(f"{path}: no examples (only the header line)")
 
@@ -414,7 +414,7 @@ def records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...],
     values: list[list[str]] = [[] for _ in columns]
     for record in records:
         where = f"{path}, {record.unit} {record.number}"
-        for column, column_values in zip(columns, values):
+        for column, column_values in zip(columns, values, strict=True):
             if column not in record.columns:
                 raise ValueError(f"{where}: missing column {column!r} (other rows have it)")
             value = record.columns[column]
@@ -445,7 +445,7 @@ def encode_rows(
     examples = []
     contexts = rows.prompts if rows.prompts is not None else [""] * len(rows.texts or [])
     targets = rows.responses if rows.responses is not None else rows.texts or []
-    for index, (context, target) in enumerate(zip(contexts, targets)):
+    for index, (context, target) in enumerate(zip(contexts, targets, strict=True)):
         if not str(target).strip():
             what = "response" if rows.responses is not None else "text"
             raise ValueError(f"{_row(rows, index)}: empty {what}")

@@ -1,9 +1,9 @@
-"""Privacy accounting for Poisson-sampled DP-SGD: ε so far, σ calibration, checkpointable state.
+r"""Privacy accounting for Poisson-sampled DP-SGD: ε so far, σ calibration, checkpointable state.
 
 opacus' accountants have a limited working range, and outside it they hang, allocate petabytes or raise errors
 that mean nothing to a user. :func:`check_accountable` refuses such inputs before training, in one line naming
 the flag and the range that works; :func:`calibrate_noise_multiplier` searches σ only where the accountant works;
-and :meth:`PrivacyAccountant.epsilon` turns opacus' own errors into one-line ``ValueError``\\ s. The limits below
+and :meth:`PrivacyAccountant.epsilon` turns opacus' own errors into one-line ``ValueError``\ s. The limits below
 were measured with opacus 1.6.0 on a 2-core machine:
 
 * PRV builds a grid of ``2L / mesh`` points on [-L, L], with ``L ≈`` the RDP ε at ``δ/4000`` plus 3 and
@@ -423,7 +423,7 @@ def _next_sigma(
 
 
 def _accounted_epsilon(mechanism: Mechanism, history: History, delta: float) -> float:
-    """opacus' ε for ``history`` at δ (refusing a PRV grid over its limit), its errors as one-line ValueErrors."""
+    """Opacus' ε for ``history`` at δ (refusing a PRV grid over its limit), its errors as one-line ValueErrors."""
     if mechanism == "prv":
         _refuse_prv_grid(history, delta)
     try:
@@ -434,15 +434,17 @@ def _accounted_epsilon(mechanism: Mechanism, history: History, delta: float) -> 
 
 
 def _rdp_epsilon(history: History, delta: float) -> float:
-    """opacus' ``RDPAccountant.get_epsilon(δ)``, in the same arithmetic, from cached RDP curves."""
+    """Opacus' ``RDPAccountant.get_epsilon(δ)``, in the same arithmetic, from cached RDP curves."""
     rdp = sum(np.asarray(_rdp_curve(q, sigma)) * count for sigma, q, count in history)
     epsilon, _ = rdp_analysis.get_privacy_spent(orders=list(_ALPHAS), rdp=rdp, delta=delta)
     return float(epsilon)
 
 
 def _prv_epsilon(history: History, delta: float) -> float:
-    """opacus' ``PRVAccountant.get_epsilon(δ)`` step for step, its domain from cached RDP curves (opacus recomputes
-    two RDP curves per call: seconds at q = 0.5 and large σ)."""
+    """Opacus' ``PRVAccountant.get_epsilon(δ)`` step for step, its domain from cached RDP curves.
+
+    opacus recomputes two RDP curves per call: seconds at q = 0.5 and large σ.
+    """
     half_width = _prv_half_width(history, delta)
     domain = Domain.create_aligned(-half_width, half_width, _prv_mesh(_total(history), delta))
     dprvs = [
@@ -474,8 +476,11 @@ def _translate(error: BaseException, mechanism: Mechanism, history: History, del
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence opacus' per-call noise: RDP's "Optimal order is the smallest/largest alpha" (ε is still a valid
-    bound: ε huge, or ε near the floor) and numpy's warnings inside opacus (e.g. log(1 - q) at q = 1)."""
+    """Silence opacus' per-call noise.
+
+    RDP's "Optimal order is the smallest/largest alpha" (ε is still a valid bound: ε huge, or ε near the floor) and
+    numpy's warnings inside opacus (e.g. log(1 - q) at q = 1).
+    """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Optimal order is the", category=UserWarning)
         warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"opacus\.")
@@ -507,7 +512,7 @@ def _prv_grid(history: History, delta: float) -> float:
 
 
 def _prv_half_width(history: History, delta: float) -> float:
-    """opacus' ``compute_safe_domain_size`` (L), in the same arithmetic, from cached RDP curves."""
+    """Opacus' ``compute_safe_domain_size`` (L), in the same arithmetic, from cached RDP curves."""
     delta_error, total = _prv_delta_error(delta), _total(history)
     curves = [(np.asarray(_rdp_curve(q, sigma)), count) for sigma, q, count in history]
     with _quiet():
@@ -524,7 +529,7 @@ def _prv_delta_error(delta: float) -> float:
 
 
 def _prv_mesh(steps: int, delta: float) -> float:
-    """opacus' mesh: ``eps_error / sqrt(steps · ln(12 / δ_error) / 2)`` (numpy, as opacus computes it)."""
+    """Opacus' mesh: ``eps_error / sqrt(steps · ln(12 / δ_error) / 2)`` (numpy, as opacus computes it)."""
     return float(_PRV_EPS_ERROR / np.sqrt(steps * np.log(12 / _prv_delta_error(delta)) / 2))
 
 

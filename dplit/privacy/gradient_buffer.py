@@ -29,7 +29,8 @@ class GradientBuffer:
         self._sizes = [p.numel() for p in parameters]
         self._total = sum(self._sizes)
         self.flat = torch.zeros(self._total + extra, dtype=dtype, device=device)
-        self._views = [chunk.view_as(p) for chunk, p in zip(self.flat[: self._total].split(self._sizes), parameters)]
+        chunks = self.flat[: self._total].split(self._sizes)
+        self._views = [chunk.view_as(p) for chunk, p in zip(chunks, parameters, strict=True)]
 
     @property
     def extra(self) -> Tensor:
@@ -57,12 +58,12 @@ class GradientBuffer:
     def attach(self) -> None:
         """Zero the buffer and make every matching-dtype parameter's ``grad`` a view into it."""
         self.flat.zero_()
-        for param, view in zip(self._parameters, self._views):
+        for param, view in zip(self._parameters, self._views, strict=True):
             param.grad = view if param.dtype == view.dtype else None
 
     def detach(self) -> None:
         """Fold gradients held outside the buffer into it; leave every ``grad`` ``None``."""
-        for param, view in zip(self._parameters, self._views):
+        for param, view in zip(self._parameters, self._views, strict=True):
             if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                 view.add_(param.grad.to(view.dtype))
             param.grad = None
@@ -74,7 +75,7 @@ class GradientBuffer:
 
     def publish(self, scale: float) -> None:
         """Divide the gradients by ``scale`` and hand them to the parameters as their ``grad``."""
-        for param, view in zip(self._parameters, self._views):
+        for param, view in zip(self._parameters, self._views, strict=True):
             view.div_(scale)
             param.grad = view if param.dtype == view.dtype else view.to(param.dtype)
 

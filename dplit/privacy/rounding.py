@@ -17,7 +17,7 @@ import torch
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
-    """u = half the machine epsilon of ``dtype``."""
+    """The unit roundoff u: half the machine epsilon of ``dtype``."""
     return torch.finfo(dtype).eps / 2
 
 

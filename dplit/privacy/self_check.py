@@ -62,7 +62,7 @@ def _autograd_norms(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) ->
         with torch.enable_grad():
             loss = loss_fn(example)[0]
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
-        for name, grad in zip(params, grads):
+        for name, grad in zip(params, grads, strict=True):
             norms[name].append(torch.zeros(()) if grad is None else grad.detach().double().norm().cpu())
     return {name: torch.stack(values) for name, values in norms.items()}
 

@@ -55,7 +55,7 @@ class StateWriteGuard:
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the first tensor written in place since :meth:`arm`."""
-        for (name, tensor), version in zip(self._tensors, self._versions):
+        for (name, tensor), version in zip(self._tensors, self._versions, strict=True):
             if tensor._version != version:
                 raise ValueError(
                     f"{name!r} was written in place during a training forward: private data would change it with "

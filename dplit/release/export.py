@@ -177,7 +177,7 @@ def forget_gguf_quantizer(model: PreTrainedModel) -> None:
 
 
 def _save_adapters(model: PreTrainedModel, folder: Path, hparams: dict[str, Any]) -> None:
-    """peft's adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (adapter ``default``)."""
+    """PEFT's adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (adapter ``default``)."""
     from peft import get_peft_model_state_dict
 
     from dplit.adapters import adapter_config

@@ -79,7 +79,7 @@ def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_colum
     except ValueError as error:
         raise ValueError(f"--prompts_file {error}") from None
     prompts = []
-    for record, text in zip(records, texts):
+    for record, text in zip(records, texts, strict=True):
         where = f"{record.unit} {record.number}"
         if not text.strip():
             raise ValueError(f"--prompts_file {file}, {where}: empty prompt (--prompt_column {prompt_column!r})")
@@ -182,7 +182,7 @@ def generate_batches(
         for start in range(0, total, settings.batch_size):
             batch = list(islice(jobs, settings.batch_size))
             texts = _sample(backbone, tokenizer, [prompt.text for prompt, _ in batch], settings, start)
-            yield [_sample_row(prompt, index, text) for (prompt, index), text in zip(batch, texts)]
+            yield [_sample_row(prompt, index, text) for (prompt, index), text in zip(batch, texts, strict=True)]
             bar.update(len(batch))
 
 
@@ -216,7 +216,7 @@ def check_token_budget(
     if limit is None or not prompts:
         return
     lengths = [len(tokenizer.encode(prompt.text)) for prompt in prompts]
-    for prompt, length in zip(prompts, lengths):
+    for prompt, length in zip(prompts, lengths, strict=True):
         if length >= limit:
             raise ValueError(
                 f"--prompts_file {prompt.where}: the prompt has {length} tokens, which leaves no room for "

@@ -124,8 +124,10 @@ def config_arguments(saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def restore_metadata(config: PretrainedConfig, saved: dict[str, Any]) -> None:
-    """Put back the saved entries :func:`config_arguments` left out (a hub or GGUF config's metadata, such as
-    ``unk_token_id``): the exported ``config.json`` is the one the base model gave, less :data:`NOT_ARCHITECTURE`."""
+    """Put back the saved entries :func:`config_arguments` left out, such as a hub or GGUF config's ``unk_token_id``.
+
+    The exported ``config.json`` is the one the base model gave, less :data:`NOT_ARCHITECTURE`.
+    """
     present = config.to_dict()
     for key, value in saved.items():
         if key not in present and key not in NOT_ARCHITECTURE:
@@ -168,8 +170,11 @@ def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
 
 
 def check_checkpoint_file(path: str | Path, *, flag: str, weights_only: bool = True) -> Path:
-    """Refuse a path that is not a file written by ``torch.save`` (without reading it whole), or one that pickles
-    objects ``torch.load(weights_only=True)`` would refuse to run (unless ``weights_only`` is ``False``)."""
+    """Refuse a path that is not a ``torch.save`` file, or one that pickles what weights-only loading refuses.
+
+    The file is not read whole. Objects ``torch.load(weights_only=True)`` would refuse to run are refused unless
+    ``weights_only`` is ``False``.
+    """
     path = Path(path).expanduser()
     if path.is_dir():
         raise ValueError(f"{flag} {path}: is a folder; give a checkpoint file in it (e.g. checkpoints/last.ckpt)")
