@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks
 
 from benchmarks import report  # noqa: E402
 from benchmarks.machine import child_environment, git_info, machine_info  # noqa: E402
-from benchmarks.step import MODELS, PRECISIONS, PRIVATIZE_MODES, cpu_jiffies  # noqa: E402
+from benchmarks.step import MODELS, PRECISIONS, cpu_jiffies  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = 0.15
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", nargs="+", default=None, metavar="METHOD:POLICY",
         help="configurations to run (default: all listed above); non_private of a policy is needed for that policy's "
-        "ratios; dplit ones take an optional noise-step variant, e.g. dplit_ghost:untied:flat (see --privatize)",
+        "ratios; dplit ones run the shipped DP-SGD object (dplit.privacy.dpsgd.DPSGD)",
     )
     parser.add_argument("--lora", action="store_true",
                         help="the LoRA rows (default --configs " + " ".join(LORA_CONFIGS) + ") -> results/lora")
@@ -91,8 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "bf16-mixed and the shipped GPU configs)")
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
-    parser.add_argument("--privatize", choices=PRIVATIZE_MODES, default="strategy",
-                        help="noise step of dplit configurations without a :PRIVATIZE suffix (see benchmarks.step)")
     parser.add_argument("--out", type=Path, default=None,
                         help="results folder (default benchmarks/results/quick with --quick, else benchmarks/results)")
     parser.add_argument("--append", action="store_true",
@@ -118,13 +116,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.out = args.out or ROOT / "benchmarks" / "results" / folder
     configs = []
     for config in args.configs:
-        method, policy, privatize = (config.split(":") + [""])[:3]
-        if method not in report.METHOD_NAMES or policy not in ("tied", "untied") or config.count(":") > 2 or (
-            privatize and (privatize not in PRIVATIZE_MODES or not method.startswith("dplit"))
-        ):
-            parser.error(f"bad configuration {config!r}: use METHOD:POLICY[:PRIVATIZE], e.g. dplit_ghost:tied or "
-                         f"dplit_ghost:untied:flat ({', '.join(PRIVATIZE_MODES)}; dplit methods only)")
-        configs.append((method, policy, privatize or args.privatize))
+        method, _, policy = config.partition(":")
+        if method not in report.METHOD_NAMES or policy not in ("tied", "untied"):
+            parser.error(f"bad configuration {config!r}: use METHOD:POLICY, e.g. dplit_ghost:tied")
+        configs.append((method, policy, STEP_NOISE))
     args.configs = configs
     return args
 
@@ -147,6 +142,11 @@ def wait_for_idle(max_wait: float, threshold: float = 0.15) -> float:
     return busy
 
 
+STEP_NOISE = "strategy"
+"""What results rows record as ``privatize`` for dplit methods: the shipped DP-SGD object (older rows also name the
+ablations ``flat`` and ``per_parameter`` of a copy, retired in issue 33)."""
+
+
 def run_one(
     args: argparse.Namespace, method: str, policy: str, privatize: str, model: str, batch: int
 ) -> dict[str, Any]:
@@ -161,7 +161,7 @@ def run_one(
             sys.executable, "-m", "benchmarks.step", "--method", method, "--policy", policy, "--model", model,
             "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--task", args.task,
             "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
-            "--device", args.device, "--threads", str(args.threads), "--privatize", privatize,
+            "--device", args.device, "--threads", str(args.threads),
             "--precision", args.precision, "--out", str(out),
         ]
         busy_before = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else None
@@ -211,7 +211,7 @@ def assemble(
     results = {
         **header,
         "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
-                     "max_grad_norm": args.max_grad_norm, "privatize": args.privatize, "device": args.device,
+                     "max_grad_norm": args.max_grad_norm, "privatize": STEP_NOISE, "device": args.device,
                      "precision": args.precision, "timeout_s": args.timeout, "suite_wall_s": suite_wall_s},
         "rows": kept + rows,
     }
