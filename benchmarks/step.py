@@ -171,14 +171,14 @@ def others_share(before: tuple[int, int], after: tuple[int, int], own_cpu_s: flo
 
 def build_model(args: argparse.Namespace, device: Any) -> Any:
     """The model every method trains: a random-weight classifier (causal LM with ``--task lm``), in train mode."""
-    from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-    from dplit.model import CausalLMClassifier
+    from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
+    from dplit.tasks.classifier import CausalLMClassifier
 
     embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
     _, lora, train_embeddings = adapters(args.method)
     peft = {"peft": lora_config(args.model), "train_embeddings": train_embeddings} if lora else {}
     if args.task == "lm":
-        from dplit.lm import CausalLanguageModel
+        from dplit.tasks.language_model import CausalLanguageModel
 
         language_model = CausalLanguageModel(
             config=backbone_config(args.model, args.seq_len), embeddings=embeddings, dropout=0.0,

@@ -25,12 +25,12 @@ from typing_extensions import override
 from dplit.callbacks import use_plain_summary, use_quiet_progress_bar
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
-from dplit.lm import CausalLanguageModel
-from dplit.model import CausalLMClassifier
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.trained import check_checkpoint_file
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
 
 _LIGHTNING_CKPT_ALIASES = ("last", "best", "hpc")
 _PRIVACY_NUMBERS = {

@@ -59,7 +59,7 @@ def check_module(module: LightningModule) -> None:
     if not isinstance(getattr(module, "privacy_history", None), PrivacyHistory):
         raise TypeError(
             f"DPStrategy needs {type(module).__name__}.privacy_history, the weights' "
-            "dplit.privacy.history.PrivacyHistory (subclass dplit.module.CausalLMModule, which keeps one)"
+            "dplit.privacy.history.PrivacyHistory (subclass dplit.tasks.base.CausalLMModule, which keeps one)"
         )
     if not module.automatic_optimization:
         raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader, Dataset
 
 import dplit.privacy.ledger as ledger_module
 from dplit.audit.strategy import CanaryDPStrategy
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.strategy import DPStrategy
+from dplit.tasks.classifier import GPT2Classifier
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")

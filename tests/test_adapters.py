@@ -19,14 +19,14 @@ from lightning.pytorch.loggers import Logger
 from peft import IA3Config, LoraConfig
 from torch import Tensor
 
-from dplit.adapters import adapter_parameters, trainable_counts
-from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, embedding_pair, is_tied
-from dplit.lm import CausalLanguageModel
-from dplit.model import CausalLMClassifier
+from dplit.backbone.adapters import adapter_parameters, trainable_counts
+from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, embedding_pair, is_tied
 from dplit.privacy import PerExampleEngine
 from dplit.privacy.ghost import GhostEngine
 from dplit.privacy.self_check import check_ghost_norms
 from dplit.strategy import DPStrategy
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
 from tests import brute_force
 from tests.test_families import FAMILIES, attention_for, check
 from tests.test_ghost import TINY, assert_close, padded_batch, run

@@ -334,8 +334,8 @@ def test_the_self_check_refusal_prints_no_norm_of_a_private_example() -> None:
 
 
 def test_the_self_check_runs_under_the_trainers_bf16_autocast(tmp_path: Path) -> None:
-    from dplit.model import GPT2Classifier
     from dplit.strategy import DPStrategy
+    from dplit.tasks.classifier import GPT2Classifier
     from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
 
     autocast_seen: list[bool] = []

@@ -11,8 +11,8 @@ import pytest
 import torch
 import yaml
 
+from dplit.backbone.embeddings import is_tied
 from dplit.cli import run_cli
-from dplit.embeddings import is_tied
 from dplit.strategy import DPStrategy
 from tests.executable import dplit_executable, user_environment
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.accountant import PrivacyAccountant, default_delta
 from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.engine import trainable_parameters
 from dplit.privacy.settings import DPSGDSettings
+from dplit.tasks.classifier import GPT2Classifier
 from tests import brute_force
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 

@@ -14,15 +14,15 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
+from dplit.backbone.embeddings import is_tied
 from dplit.cli import run_cli, run_lm_cli
 from dplit.data.corpus import build_corpus_tokenizer
 from dplit.data.tokenizer import load_tokenizer
-from dplit.embeddings import is_tied
-from dplit.module import BACKBONE_KEY, TOKENIZER_KEY, positions_of
 from dplit.privacy.integrity import DIGEST_KEY
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
+from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, positions_of
 from tests.executable import dplit_executable, refusal_line, run_dplit, user_environment
 from tests.test_bad_inputs import lm_args, lora_on
 from tests.test_cli import TINY, TINY_LLAMA, glue_args, quickstart_args, steps

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
-from dplit.model import CausalLMClassifier
+from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
 from dplit.privacy.engine import Batch
 from dplit.privacy.ghost import GhostEngine
+from dplit.tasks.classifier import CausalLMClassifier
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.test_ghost import assert_close, check_against_oracles, padded_batch, record_materialise_choices, run
 

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.callbacks import ResourceMonitor
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.lm import CausalLanguageModel
-from dplit.model import CausalLMClassifier, GPT2Classifier
-from dplit.module import CausalLMModule
 from dplit.privacy import GhostEngine, PerExampleEngine
 from dplit.privacy.engine import Batch, ClippingEngine, ClipStats
 from dplit.strategy import DPStrategy
+from dplit.tasks.base import CausalLMModule
+from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier
+from dplit.tasks.language_model import CausalLanguageModel
 from tests import tiny
 from tests.test_families import FAMILIES
 from tests.test_ghost import TINY as TINY_GPT2_64

@@ -12,12 +12,12 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
 from dplit.cli import run_lm_cli
 from dplit.data.text import TextCollator, TextDataModule, TextExample
-from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
-from dplit.lm import CausalLanguageModel
 from dplit.privacy import GhostEngine
 from dplit.strategy import DPStrategy
+from dplit.tasks.language_model import CausalLanguageModel
 from tests.test_families import FAMILIES, attention_for, check
 from tests.test_ghost import check_against_oracles
 

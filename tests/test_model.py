@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 import torch
 
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.data.tokenizer import load_tokenizer
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.tasks.classifier import GPT2Classifier
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
 

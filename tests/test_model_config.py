@@ -7,9 +7,9 @@ import torch
 import transformers.configuration_utils
 from transformers import AutoConfig
 
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy import GhostEngine, PerExampleEngine
+from dplit.tasks.classifier import GPT2Classifier
 from tests.test_families import FAMILIES
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 

@@ -13,11 +13,11 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from opacus.accountants import PRVAccountant
 
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy import PerExampleEngine, build_engine
 from dplit.privacy.accountant import default_delta
 from dplit.strategy import DPStrategy
+from dplit.tasks.classifier import GPT2Classifier
 from tests import brute_force
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens
 

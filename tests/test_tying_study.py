@@ -38,9 +38,9 @@ from benchmarks.tying import (
     rerun_plan,
     settings_key,
 )
-from dplit.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.model import CausalLMClassifier
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.engine import trainable_parameters
+from dplit.tasks.classifier import CausalLMClassifier
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -87,10 +87,10 @@ def child_main(spec_json: str) -> None:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    from dplit.adapters import trainable_counts
+    from dplit.backbone.adapters import trainable_counts
+    from dplit.backbone.embeddings import is_tied
     from dplit.callbacks import peak_memory_mb
     from dplit.cli import run_cli
-    from dplit.embeddings import is_tied
     from dplit.strategy import DPStrategy
 
     started = time.perf_counter()

@@ -161,9 +161,9 @@ def convert_main(spec_json: str) -> None:
 
     import torch
 
-    from dplit.backbone import build_causal_lm
+    from dplit.backbone.causal_lm import build_causal_lm
+    from dplit.backbone.embeddings import is_tied
     from dplit.data import GlueDataModule
-    from dplit.embeddings import is_tied
 
     cache = Path(spec["cache"])
     shutil.rmtree(cache, ignore_errors=True)

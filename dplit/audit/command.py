@@ -21,10 +21,10 @@ from dplit.audit.strategy import CanaryDPStrategy
 from dplit.cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI, check_gguf_files, check_privacy_choice, strategy_class
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
-from dplit.lm import CausalLanguageModel
-from dplit.model import CausalLMClassifier
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import DPStrategy
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
 
 AUDIT_FILE = "audit.json"
 MODES = ("white_box", "black_box")

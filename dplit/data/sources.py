@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import datasets
 from datasets.exceptions import DatasetNotFoundError
 
-from dplit.backbone import unloadable_message
+from dplit.backbone.causal_lm import unloadable_message
 from dplit.data.tasks import TaskSpec
 
 HUB_DATASET = "nyu-mll/glue"

@@ -14,7 +14,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from dplit.backbone import check_gguf_file, unloadable_message
+from dplit.backbone.causal_lm import check_gguf_file, unloadable_message
 
 END_OF_TEXT = "<|endoftext|>"
 UNKNOWN = "<unk>"

@@ -17,9 +17,9 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from dplit.adapters import adapter_parameters
+from dplit.backbone.adapters import adapter_parameters
+from dplit.backbone.embeddings import is_tied
 from dplit.data.tasks import get_task
-from dplit.embeddings import is_tied
 from dplit.release.guarantee import GUARANTEE_FILE, model_card
 from dplit.release.trained import TrainedModel, check_checkpoint_file, load_trained
 
@@ -180,7 +180,7 @@ def _save_adapters(model: PreTrainedModel, folder: Path, hparams: dict[str, Any]
     """PEFT's adapter folder: ``adapter_config.json`` and ``adapter_model.safetensors`` (adapter ``default``)."""
     from peft import get_peft_model_state_dict
 
-    from dplit.adapters import adapter_config
+    from dplit.backbone.adapters import adapter_config
 
     config = adapter_config(hparams["peft"])
     config.base_model_name_or_path = hparams.get("pretrained")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dplit
-from dplit.embeddings import EmbeddingPolicy, is_tied
+from dplit.backbone.embeddings import EmbeddingPolicy, is_tied
 
 RELEASE_KEY = "dplit_release"
 """The checkpoint entry holding :func:`release_record`."""

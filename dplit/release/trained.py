@@ -16,14 +16,14 @@ import yaml
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from dplit.embeddings import EmbeddingPolicy
-from dplit.module import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
+from dplit.backbone.embeddings import EmbeddingPolicy
 from dplit.privacy.history import history_in_checkpoint
 from dplit.privacy.integrity import check_digests
 from dplit.release.guarantee import guarantee_of
 from dplit.release.provenance import RELEASE_KEY
+from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
 
-MODULES = {"classifier": "dplit.model.CausalLMClassifier", "lm": "dplit.lm.CausalLanguageModel"}
+MODULES = {"classifier": "dplit.tasks.classifier.CausalLMClassifier", "lm": "dplit.tasks.language_model.CausalLanguageModel"}
 DATAMODULES = {"classifier": "dplit.data.glue.GlueDataModule", "lm": "dplit.data.text.TextDataModule"}
 
 
@@ -213,7 +213,7 @@ def _record_from_config(
         config = beside
     run = _read_config(config)
     kind = _kind(checkpoint["hyper_parameters"])
-    embeddings = (run.get("model") or {}).get("embeddings") or {"class_path": "dplit.embeddings.UntiedEmbeddings"}
+    embeddings = (run.get("model") or {}).get("embeddings") or {"class_path": "dplit.backbone.embeddings.UntiedEmbeddings"}
     if isinstance(embeddings, str):
         embeddings = {"class_path": embeddings}
     return {"module": MODULES[kind], "datamodule": DATAMODULES[kind], "embeddings": embeddings}

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from dplit.embeddings import embedding_pair, is_tied
+from dplit.backbone.embeddings import embedding_pair, is_tied
 
 try:
     from peft import PeftConfig

@@ -17,9 +17,9 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
-from dplit.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
-from dplit.backbone import build_causal_lm
-from dplit.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.backbone.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
+from dplit.backbone.causal_lm import build_causal_lm
+from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
 from dplit.privacy.integrity import record_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
@@ -57,7 +57,7 @@ class CausalLMModule(LightningModule):
     ) -> None:
         """Check the optimizer settings, build ``self.backbone``, apply the embedding policy, then the adapters.
 
-        The backbone comes from :func:`dplit.backbone.build_causal_lm`; the optimizer settings are the saved
+        The backbone comes from :func:`dplit.backbone.causal_lm.build_causal_lm`; the optimizer settings are the saved
         hyperparameters, refused here (see :func:`check_optimizer_settings`) rather than at the first step.
         ``peft`` (a ``peft.PeftConfig``) injects adapters and freezes the base weights; ``train_embeddings``
         then trains or freezes the input/output embedding (``None``: trained without adapters, frozen beside them).

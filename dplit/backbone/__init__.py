@@ -1,0 +1,1 @@
+"""The causal language model under every task: loading it, its tied or untied embeddings, its peft adapters."""
