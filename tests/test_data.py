@@ -19,11 +19,11 @@ from transformers import PreTrainedTokenizerFast
 
 from dplit.data import GlueDataModule, load_tokenizer
 from dplit.data.batches import PadCollator
+from dplit.data.files import read_glue_tsv, read_rows
 from dplit.data.prompt import PromptTemplate, truncated_lengths
-from dplit.data.sources import read_glue_tsv
 from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic_tokenizer
 from dplit.data.tasks import QNLI, QQP, SST2, TASKS
-from dplit.data.text import TextDataModule, encode_rows, read_rows
+from dplit.data.text import TextDataModule, encode_rows
 from dplit.data.tokenizer import build_word_tokenizer, label_word_ids
 from tests.glue_files import (
     QNLI_HEADER,

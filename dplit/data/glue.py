@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from dplit.data.batches import PadCollator, TokenizedDataset
+from dplit.data.files import read_glue_tsv
 from dplit.data.prompt import PromptTemplate
-from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split, read_glue_tsv
+from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split
 from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
 from dplit.data.tasks import TaskSpec, get_task
 from dplit.data.tokenizer import label_word_ids, load_tokenizer

@@ -8,15 +8,10 @@ model's tokenizer does (its BOS if it adds one), followed by its end-of-text tok
 
 from __future__ import annotations
 
-import csv
 import inspect
-import io
-import json
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from itertools import islice
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TextIO, TypedDict
+from typing import Any, Literal, TypedDict
 
 import datasets
 from lightning.pytorch import LightningDataModule
@@ -28,22 +23,14 @@ from typing_extensions import override
 
 from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
-from dplit.data.sources import csv_rows, is_blank, load_hub_dataset, utf8_text
+from dplit.data.files import TextRows, check_data_file, read_rows, refusal
+from dplit.data.files import read_records as read_records  # dplit.release.generate's import (its old path)
+from dplit.data.files import records_to_rows as records_to_rows  # dplit.release.generate's import (its old path)
+from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
 
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
-FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
-_LONGEST_CSV_FIELD = 2**31 - 1
-_JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
-
-
-class Record(NamedTuple):
-    """One row of a local file: where it is (1-based ``line 3``, or ``item 3`` of a JSON array) and its columns."""
-
-    number: int
-    columns: Mapping[str, Any]
-    unit: str = "line"
 
 
 class TextExample(TypedDict):
@@ -51,18 +38,6 @@ class TextExample(TypedDict):
 
     input_ids: list[int]
     loss_mask: list[int]
-
-
-@dataclass(frozen=True)
-class TextRows:
-    """Raw rows of one split: a text each, or a prompt and a response each, and where they came from."""
-
-    texts: list[str] | None
-    prompts: list[str] | None
-    responses: list[str] | None
-    source: str
-    lines: list[int] | None = None
-    """The 1-based file line of each row, where it may differ from the row number (local files)."""
 
 
 class TextDataset(Dataset[TextExample]):
@@ -242,195 +217,10 @@ class TextDataModule(LightningDataModule):
         return (hp.prompt_column, hp.response_column) if hp.prompt_column else (hp.text_column,)
 
 
-def check_data_file(flag: str, value: str) -> None:
-    """Refuse a ``data.train_file`` / ``data.val_file`` that is missing, a directory or of an unknown type.
-
-    Args:
-        flag: the option, for the message (``"data.train_file"``).
-        value: its value, a path.
-    """
-    path = Path(value).expanduser()
-    expected = f"expected a {'/'.join(FILE_TYPES)} file"
-    if path.is_dir():
-        raise ValueError(f"{flag}={value!r}: is a directory, {expected}")
-    if not path.is_file():
-        raise ValueError(f"{flag}={value!r}: no such file ({expected})")
-    if path.suffix.lower() not in FILE_TYPES:
-        raise ValueError(f"{flag}={value!r}: unknown file type {path.suffix!r}; use one of {sorted(FILE_TYPES)}")
-
-
-def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) -> TextRows:
-    """Read the ``columns`` of a local JSONL / JSON / CSV / TXT file (UTF-8, one example per row).
-
-    A JSONL file holds one JSON object per line; a JSON file holds an array of objects (or JSON Lines); a CSV
-    file has a header line; a TXT file is one text per line (a single column, named ``columns[0]``). Blank
-    (whitespace-only) lines are skipped in every format; messages name the file's 1-based line.
-    A column's value must be a string (JSON ``null`` reads as an empty text, refused when tokenised).
-
-    Args:
-        path: the file.
-        columns: the columns to read (``("text",)`` or ``("prompt", "response")``).
-        limit: read only the first ``limit`` rows.
-
-    Returns:
-        The rows, each with its file line.
-
-    Raises:
-        ValueError: naming the file (and the line) for a missing file, a directory, an unknown suffix, an empty
-            file, text that is not UTF-8, a line that is not JSON or not an object, a CSV row with the wrong
-            number of fields, a missing column, a value that is not a string, or a file with no rows.
-    """
-    return records_to_rows(path, read_records(path, columns, limit), columns)
-
-
-def read_records(path: Path, columns: tuple[str, ...], limit: int | None = None) -> list[Record]:
-    """The rows of a local JSONL / JSON / CSV / TXT file as :func:`read_rows` parses them, columns not yet checked.
-
-    ``dplit lm generate`` reads its prompts file with it, so prompts and training files are read alike.
-
-    Args:
-        path: the file.
-        columns: the columns to be read (a TXT file's one column is named ``columns[0]``).
-        limit: read only the first ``limit`` rows.
-
-    Returns:
-        The non-blank rows, each with its 1-based line (or JSON array item) and all of its columns.
-
-    Raises:
-        ValueError: naming the file (and the line) for a missing file, a directory, an unknown suffix, an empty
-            file, text that is not UTF-8, a line that is not JSON or not an object, a CSV quote left open, a CSV
-            row with the wrong number of fields, or a file with no rows.
-    """
-    if path.is_dir():
-        raise ValueError(f"{path}: is a directory, expected a {'/'.join(FILE_TYPES)} file")
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
-    suffix = path.suffix.lower()
-    if suffix not in FILE_TYPES:
-        raise ValueError(f"{path}: unknown file type {path.suffix!r}; use one of {sorted(FILE_TYPES)}")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path}: the file is empty (0 bytes)")
-    if suffix == ".txt" and len(columns) != 1:
-        raise ValueError(
-            f"{path}: a .txt file is one text per line, without the columns {list(columns)} of instruction data "
-            "(data.prompt_column, data.response_column); use a .jsonl, .json or .csv file"
-        )
-    with utf8_text(path) as file:
-        reader = _read_csv if suffix == ".csv" else _read_txt if suffix == ".txt" else _read_json
-        records = list(islice(reader(path, file, columns[0]), limit))
-    if not records and limit != 0:
-        raise ValueError(f"{path}: no examples (only blank lines)")
-    return records
-
-
-def _read_txt(path: Path, file: TextIO, column: str) -> Iterator[Record]:
-    for line, text in enumerate(file, start=1):
-        if text.strip():
-            yield Record(line, {column: text.rstrip("\r\n")})
-
-
-def _read_json(path: Path, file: TextIO, column: str) -> Iterator[Record]:
-    """JSON Lines; a ``.json`` file may instead hold one JSON array of objects (its rows numbered by item)."""
-    if path.suffix.lower() == ".json":
-        text = file.read()
-        if text.lstrip().startswith("["):
-            yield from _read_json_array(path, text)
-            return
-        file = io.StringIO(text, newline="")
-    for line, text in enumerate(file, start=1):
-        if text.strip():
-            yield Record(line, _json_object(path, f"line {line}", _json_value(path, text, line)))
-
-
-def _read_json_array(path: Path, text: str) -> Iterator[Record]:
-    items = _json_value(path, text)
-    if not items:
-        raise ValueError(f"{path}: no examples (an empty JSON array)")
-    for item, value in enumerate(items, start=1):
-        yield Record(item, _json_object(path, f"item {item}", value), unit="item")
-
-
-def _json_value(path: Path, text: str, line: int = 1) -> Any:
-    """``json.loads(text)`` for ``text`` starting on ``line`` of the file; an error names the file's line."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        where = line + error.lineno - 1
-        raise ValueError(f"{path}, line {where}: not valid JSON ({error.msg} at column {error.colno})") from None
-
-
-def _json_object(path: Path, where: str, value: Any) -> Mapping[str, Any]:
-    if not isinstance(value, dict):
-        found = f"found a JSON {_json_kind(value)}"
-        raise ValueError(f"{path}, {where}: expected a JSON object (one example), {found}")  # noqa: TRY004  (bad data)
-    return value
-
-
-def _json_kind(value: Any) -> str:
-    return "null" if value is None else _JSON_KINDS.get(type(value), type(value).__name__)
-
-
-def _read_csv(path: Path, file: TextIO, column: str) -> Iterator[Record]:
-    """Rows of a CSV file after its header line, each with the same number of fields as the header.
-
-    Parsed strictly: a quote left open would otherwise swallow every later row into one field (one example where
-    there are many, so N and δ would be wrong), so it is refused naming the line it opens on.
-    """
-    csv.field_size_limit(max(csv.field_size_limit(), _LONGEST_CSV_FIELD))  # the default, 128 KiB, cuts documents
-    rows = ((line, row) for line, row in csv_rows(path, file, strict=True) if not is_blank(row))
-    header_line, header = next(rows, (0, []))
-    if not header:
-        return
-    count = 0
-    for line, row in rows:
-        if len(row) != len(header):
-            raise ValueError(
-                f"{path}, line {line}: expected {len(header)} comma-separated fields like the header "
-                f"(line {header_line}), found {len(row)}"
-            )
-        count += 1
-        yield Record(line, dict(zip(header, row, strict=True)))
-    if not count:
-        raise ValueError(f"{path}: no examples (only the header line)")
-
-
-def records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...], *, flag: str = "") -> TextRows:
-    """Check that every record has the ``columns``, as strings (``null``: empty), and gather them.
-
-    Args:
-        path: the file the records come from (for messages).
-        records: what :func:`read_records` read.
-        columns: the columns to gather (``("text",)`` or ``("prompt", "response")``).
-        flag: the option that names the columns, added to a missing-column message (``"--prompt_column"``).
-
-    Raises:
-        ValueError: naming the file (and the row's line or item) for a missing column or a value that is not
-            a string.
-    """
-    seen = list(dict.fromkeys(key for record in records for key in record.columns))
-    missing = [column for column in columns if column not in seen]
-    if missing:
-        raise ValueError(f"{path}: missing column(s) {missing}; the file has {seen}" + (f" ({flag})" if flag else ""))
-    values: list[list[str]] = [[] for _ in columns]
-    for record in records:
-        where = f"{path}, {record.unit} {record.number}"
-        for column, column_values in zip(columns, values, strict=True):
-            if column not in record.columns:
-                raise ValueError(f"{where}: missing column {column!r} (other rows have it)")
-            value = record.columns[column]
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{where}: column {column!r} is a JSON {_json_kind(value)}, expected a string")
-            column_values.append(value or "")
-    lines = [record.number for record in records] if records and records[0].unit == "line" else None
-    if len(columns) == 1:
-        return TextRows(values[0], None, None, str(path), lines)
-    return TextRows(None, values[0], values[1], str(path), lines)
-
-
 def _rows_of(table: datasets.Dataset, columns: tuple[str, ...], source: str) -> TextRows:
     missing = [column for column in columns if column not in table.column_names]
     if missing:
-        raise ValueError(f"{source}: missing column(s) {missing}; the file has {table.column_names}")
+        raise refusal(source, f"missing column(s) {missing}; the file has {table.column_names}")
     values = [[value if value is not None else "" for value in table[column]] for column in columns]
     if len(columns) == 1:
         return TextRows(values[0], None, None, source)
@@ -448,19 +238,17 @@ def encode_rows(
     for index, (context, target) in enumerate(zip(contexts, targets, strict=True)):
         if not str(target).strip():
             what = "response" if rows.responses is not None else "text"
-            raise ValueError(f"{_row(rows, index)}: empty {what}")
+            raise refusal(rows.source, f"empty {what}", _row(rows, index))
         prompt_ids = tokenizer.encode(str(context)) if context else []
         target_ids = tokenizer.encode(str(target), add_special_tokens=not prompt_ids) + [eos]
         ids, trained = prompt_ids + target_ids, [0] * len(prompt_ids) + [1] * len(target_ids)
         if len(ids) > max_length:
             if overlength == "refuse" or len(prompt_ids) + 1 >= max_length:
-                raise ValueError(
-                    f"{_row(rows, index)}: {len(ids)} tokens, longer than data.max_length={max_length}"
-                    + (
-                        " (set data.overlength=truncate to cut it)"
-                        if overlength == "refuse"
-                        else " (the prompt fills it)"
-                    )
+                fix = (
+                    " (set data.overlength=truncate to cut it)" if overlength == "refuse" else " (the prompt fills it)"
+                )
+                raise refusal(
+                    rows.source, f"{len(ids)} tokens, longer than data.max_length={max_length}{fix}", _row(rows, index)
                 )
             ids, trained = ids[:max_length], trained[:max_length]
         examples.append(TextExample(input_ids=ids, loss_mask=trained))
@@ -468,9 +256,9 @@ def encode_rows(
 
 
 def _row(rows: TextRows, index: int) -> str:
-    """Where row ``index`` (0-based) is, for a message: ``file, row 3``, and its line where that differs."""
+    """Where row ``index`` (0-based) is, for a refusal: ``row 3``, and its file line where that differs."""
     line = rows.lines[index] if rows.lines is not None else index + 1
-    return f"{rows.source}, row {index + 1}" + (f" (line {line})" if line != index + 1 else "")
+    return f"row {index + 1}" + (f" (line {line})" if line != index + 1 else "")
 
 
 def _warn_ignored_options(options: Mapping[str, Any]) -> None:
