@@ -15,13 +15,13 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import dplit.privacy.ghost as ghost_module
 import dplit.privacy.norms.factors as factors_module
-from dplit.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings
-from dplit.model import GPT2Classifier
+from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy import PerExampleEngine, build_engine
 from dplit.privacy.engine import Batch, ClippingEngine, ClipStats
 from dplit.privacy.ghost import GhostEngine
 from dplit.privacy.norms import FactoredGradient, squared_norm
 from dplit.privacy.norms.factors import prefers_materialising
+from dplit.tasks.classifier import GPT2Classifier
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 
 VOCAB = 50
@@ -148,7 +148,7 @@ def test_next_token_lm_matches_oracles(
     policy: EmbeddingPolicy, lengths: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     choices = record_materialise_choices(monkeypatch)
-    model = lm(policy)  # n_embd 16: Conv1D/lm_head materialise from T ≈ 12-23 on, Grams below
+    model = lm(policy)  # n_embd 16: Conv1D/lm_head materialise from T ≈ 8-13 on, Grams below
     for side in ("right", "left"):
         check_against_oracles(model, model.per_example_loss, padded_batch(lengths, side, seed=len(lengths)), clip=1.0)
     assert choices == ({False, True} if max(lengths) > 23 else {False})  # both routes ran past the break-even
@@ -504,3 +504,95 @@ def test_sdpa_attention_matches_brute_force() -> None:
     expected = clipped_sum(grads, 0.5)
     for name, grad in ghost_grads.items():
         assert_close(grad, expected[name])
+
+
+def test_coverage_is_computed_once_and_redone_when_trainable_parameters_change() -> None:
+    model = classifier(TiedEmbeddings())
+    engine = GhostEngine(model, max_grad_norm=1.0)
+    engine.check_parameters()
+    first = engine.coverage()
+    assert engine.coverage() is first  # reused: no walk of every module's parameters per micro-batch
+    engine.accumulate(model.per_example_loss, padded_batch([3, 2], "right"))
+    assert engine.coverage() is first  # the pass's own requires_grad switching leaves it valid
+    wpe = model.backbone.transformer.wpe.weight
+    wpe.requires_grad_(False)
+    frozen = engine.coverage()
+    assert frozen is not first and id(wpe) not in frozen.parameters
+    wpe.requires_grad_(True)
+    assert id(wpe) in engine.coverage().parameters
+
+
+def test_a_parameter_unfrozen_or_added_after_setup_without_a_rule_is_still_refused_by_name() -> None:
+    model = WithConv().double()
+    model.conv.requires_grad_(False)
+    engine = GhostEngine(model, max_grad_norm=1.0)
+    engine.check_parameters()
+    batch = {"x": torch.randn(3, 4, dtype=torch.float64)}
+
+    def loss_fn(b: Batch) -> Tensor:
+        return model(b["x"]).pow(2).sum(1)
+
+    engine.accumulate(loss_fn, batch)  # coverage computed and cached with the Conv2d frozen
+    model.conv.weight.requires_grad_(True)  # unfrozen after setup: the Conv2d has no rule
+    for check in (engine.check_parameters, lambda: engine.accumulate(loss_fn, batch)):
+        with pytest.raises(ValueError, match=r"'conv\.weight'.*Conv2d"):
+            check()
+    assert_clean(model, all_trainable=False)
+    model.conv.weight.requires_grad_(False)
+    engine.accumulate(loss_fn, batch)
+    model.proj.scale = nn.Parameter(torch.ones(2, dtype=torch.float64))  # added to a covered Linear after setup
+    with pytest.raises(ValueError, match=r"'proj\.scale'.*Linear"):
+        engine.accumulate(loss_fn, batch)
+    assert model.proj.scale.grad is None  # refused before any gradient reached it
+
+
+def test_module_state_is_checked_on_every_call_with_a_cached_coverage() -> None:
+    model = ToyReuse().double()
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([4])}
+    engine = GhostEngine(model, max_grad_norm=1.0)
+    engine.accumulate(model.per_example_loss, batch)
+    model.emb.scale_grad_by_freq = True
+    with pytest.raises(ValueError, match=r"'emb\.weight'.*scale_grad_by_freq"):
+        engine.accumulate(model.per_example_loss, batch)
+    model.emb.scale_grad_by_freq = False
+    model.mix.forward = lambda x: F.linear(x * x, model.mix.weight, model.mix.bias)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"'mix\.weight' belongs to 'mix' \(Linear\), whose forward was replaced"):
+        engine.accumulate(model.per_example_loss, batch)
+    assert_clean(model)
+
+
+def test_retying_after_setup_recomputes_the_owners() -> None:
+    model = ToyReuse().double()
+    model.head.weight = nn.Parameter(model.emb.weight.detach().clone())  # untied
+    batch = {"input_ids": torch.tensor([[0, 3, 3, 5], [2, 0, 0, 2], [7, 7, 7, 7]]), "labels": torch.tensor([1, 0, 7])}
+    engine = GhostEngine(model, max_grad_norm=0.4)
+    engine.accumulate(model.per_example_loss, batch)
+    model.head.weight = model.emb.weight  # tied after the coverage was cached: head must now own emb.weight too
+    assert engine.coverage().owners[id(model.emb.weight)].modules == {id(model.emb), id(model.head)}
+    check_against_oracles(model, model.per_example_loss, batch, clip=0.4)
+
+
+def test_small_chunks_stack_and_split_the_norms_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dplit.privacy.tied as tied_module
+
+    monkeypatch.setattr(ghost_module, "CHUNK_ELEMENTS", 200)  # biases and norm scales stacked a few at a time
+    monkeypatch.setattr(tied_module, "CHUNK_ELEMENTS", 200)  # and large uses normed a few examples at a time
+    model = lm(TiedEmbeddings())
+    batch = padded_batch([5, 9, 3, 7], "left")
+    check_against_oracles(model, model.per_example_loss, batch, clip=0.5)
+
+
+@pytest.mark.parametrize("budget", [0, 3000, 2**25], ids=["none-kept", "some-kept", "all-kept"])
+def test_clipped_sums_from_kept_materialised_gradients_are_exact(budget: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ghost_module, "KEPT_ELEMENTS", budget)  # how many per-example gradients the norms leave
+    kept_sizes: list[int] = []
+    keep = ghost_module._add_kept_clipped_sum
+
+    def spy(param: nn.Parameter, gradients: Tensor, factors: Tensor, keep_mask: Tensor | None) -> None:
+        kept_sizes.append(gradients.numel())
+        keep(param, gradients, factors, keep_mask)
+
+    monkeypatch.setattr(ghost_module, "_add_kept_clipped_sum", spy)
+    model = lm(UntiedEmbeddings())  # T = 30: Conv1D and lm_head materialise (T·r·c ≤ T²·(r + c))
+    check_against_oracles(model, model.per_example_loss, padded_batch([30, 24, 7], "right", seed=3), clip=1.0)
+    assert sum(kept_sizes) <= budget and (bool(kept_sizes) == (budget > 0))

@@ -23,7 +23,13 @@ from dplit.privacy.norms import (
     weighted_sum,
 )
 from dplit.privacy.norms.factors import prefers_materialising
-from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, parameter_squared_norm
+from dplit.privacy.tied import (
+    ParameterOwner,
+    ParameterUseMonitor,
+    materialised_parameter_squared_norm,
+    parameter_squared_norm,
+    stacked_squared_norms,
+)
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 
 DOUBLE = torch.float64
@@ -127,8 +133,15 @@ def test_ghost_or_materialise_by_cost() -> None:
     def use(positions: int, rows: int, cols: int) -> FactoredGradient:
         return FactoredGradient(random_factor("dense", 1, positions, rows), random_factor("dense", 1, positions, cols))
 
-    assert not prefers_materialising(use(3, 4, 5))  # 2·9 < 20: Grams
-    assert prefers_materialising(use(4, 4, 5))  # 2·16 ≥ 20: materialise
+    assert not prefers_materialising(use(2, 4, 5))  # T·r·c = 40 > T²·(r + c) = 36: Grams
+    assert prefers_materialising(use(3, 4, 5))  # 60 ≤ 81: materialise ([B, r, c] no bigger than the factors)
+    assert prefers_materialising(use(4, 4, 5))  # also no bigger than the two Grams (2·16 ≥ 20)
+    wide = use(5, 20, 30)
+    assert not prefers_materialising(wide)
+    assert close(squared_norm(wide), materialise(wide).flatten(1).pow(2).sum(1))  # Grams = the materialised norm
+    for tall in (use(30, 4, 5), use(30, 5, 4)):  # materialised as G or Gᵀ (narrower factor first): the same norm
+        assert prefers_materialising(tall)
+        assert close(squared_norm(tall), materialise(tall).flatten(1).pow(2).sum(1))
     lookup = FactoredGradient(random_factor("index", 1, 40, 4), random_factor("dense", 1, 40, 2))
     assert not prefers_materialising(lookup)  # never a per-example vocabulary-sized matrix
 
@@ -182,3 +195,27 @@ def test_custom_rule_through_engine_rules_option() -> None:
     expected = clipped_sum(grads, 0.1)
     for name, param in model.named_parameters():
         assert close(param.grad, expected[name])
+
+
+@pytest.mark.parametrize("shape", [(5,), (2, 3)])
+def test_stacked_squared_norms_equal_each_parameter_own(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(3)
+    values = torch.randn(4, 3, *shape)  # [P, B, *shape] float32, as the uses of four biases of one shape
+    values[1, 2] = 0.0  # an example with no gradient
+    stacked = stacked_squared_norms(values)
+    assert stacked.shape == (4, 3) and stacked.dtype == DOUBLE
+    for p in range(4):
+        own = parameter_squared_norm([ExampleGradient(values[p])])
+        assert torch.equal(stacked[p], own)
+        assert (own >= values[p].double().flatten(1).pow(2).sum(1)).all()  # never below the true squared norm
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(4, 5), (5, 4)])
+def test_materialised_norm_keeps_the_gradients_it_was_taken_of(rows: int, cols: int) -> None:
+    torch.manual_seed(4)
+    use = FactoredGradient(random_factor("dense", 3, 30, rows), random_factor("dense", 3, 30, cols))
+    assert prefers_materialising(use)
+    squared, gradients = materialised_parameter_squared_norm(use)
+    assert torch.equal(squared, parameter_squared_norm([use]))  # the same arithmetic as without keeping them
+    assert gradients.shape == (3, rows, cols) and gradients.dtype == DOUBLE  # in the parameter's layout
+    assert close(gradients, materialise(use))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import dplit.privacy.norms.factors as factors_module
 from dplit.privacy.engine import (
     Batch,
     ClippingEngine,
@@ -29,10 +30,25 @@ from dplit.privacy.engine import (
     clip_factors,
     trainable_parameters,
 )
-from dplit.privacy.norms import NORM_RULES, GradientUse, NormRule, add_weighted_sum_, weighted_sum
-from dplit.privacy.norms.factors import without_examples
-from dplit.privacy.tied import ParameterOwner, ParameterUseMonitor, TiedNorm, parameter_squared_norm
-
+from dplit.privacy.norms import (
+    NORM_RULES,
+    ExampleGradient,
+    FactoredGradient,
+    GradientUse,
+    NormRule,
+    add_weighted_sum_,
+    weighted_sum,
+)
+from dplit.privacy.norms.factors import batch_size, without_examples
+from dplit.privacy.tied import (
+    CHUNK_ELEMENTS,
+    ParameterOwner,
+    ParameterUseMonitor,
+    TiedNorm,
+    materialised_parameter_squared_norm,
+    parameter_squared_norm,
+    stacked_squared_norms,
+)
 
 LAYER_ADVICE = (
     "freeze it, use a supported layer (Linear, Conv1D, Embedding, LayerNorm, RMSNorm), register a rule, or use the "
@@ -65,11 +81,29 @@ class Coverage:
         parameters: trainable parameters by ``id``, with their names.
         owners: by parameter ``id``, the covered modules allowed to use it.
         modules: covered modules owning at least one trainable parameter, by ``id``, with name and rule.
+        structure: what this coverage was computed from (see :func:`trainable_structure`); it holds the
+            modules and parameters it names alive, so an equal structure later means the same objects.
     """
 
     parameters: dict[int, tuple[str, nn.Parameter]]
     owners: dict[int, ParameterOwner]
     modules: dict[int, tuple[str, nn.Module, NormRule]]
+    structure: tuple[tuple[str, int, str, int], ...] = ()
+
+
+def trainable_structure(module: nn.Module) -> tuple[tuple[str, int, str, int], ...]:
+    """Every place a trainable parameter is held: (module name, module ``id``, attribute, parameter ``id``).
+
+    Everything :meth:`GhostEngine.coverage` derives from the model's structure is a function of this (and of the
+    module types, fixed per object), so an equal structure lets the coverage be reused. One walk over the modules
+    and their own parameters; a parameter shared by several modules appears once per module (retying shows).
+    """
+    return tuple(
+        (module_name, id(sub), attribute, id(param))
+        for module_name, sub in module.named_modules()
+        for attribute, param in sub._parameters.items()
+        if param is not None and param.requires_grad
+    )
 
 
 class GhostEngine(ClippingEngine):
@@ -103,6 +137,7 @@ class GhostEngine(ClippingEngine):
             raise ValueError(f"tied_norm must be 'exact' or 'bound', got {tied_norm!r}")
         self._tied_norm: TiedNorm = tied_norm
         self._rules = dict(NORM_RULES if rules is None else rules)
+        self._coverage: Coverage | None = None
 
     def check_parameters(self) -> None:
         """Refuse any trainable parameter whose module type has no rule for it (no forward needed)."""
@@ -118,7 +153,28 @@ class GhostEngine(ClippingEngine):
             self._forward(loss_fn, batch, coverage)
 
     def coverage(self) -> Coverage:
-        """Map trainable parameters to the covered modules owning them; refuse any parameter without a rule."""
+        """Map trainable parameters to the covered modules owning them; refuse any parameter without a rule.
+
+        Computed once and reused while :func:`trainable_structure` is unchanged (a parameter frozen or unfrozen,
+        added, replaced or retied after setup recomputes it, so a new trainable parameter without a rule is still
+        refused by name); what a module's own attributes decide (a replaced ``forward``, a rule's refusal) is
+        checked again on every call.
+        """
+        structure = trainable_structure(self._module)
+        cached = self._coverage
+        if cached is not None and cached.structure == structure:
+            for module_name, module, rule in cached.modules.values():
+                if "forward" in vars(module) or rule.refusal(module) is not None:
+                    names = cached.parameters
+                    held = [names[id(p)][0] for p in module._parameters.values() if id(p) in names]
+                    self._check_module_state(module_name, module, rule, held[0])
+            return cached
+        self._coverage = None  # a refusal below leaves no stale coverage behind
+        self._coverage = self._compute_coverage(structure)
+        return self._coverage
+
+    def _compute_coverage(self, structure: tuple[tuple[str, int, str, int], ...]) -> Coverage:
+        """The coverage of the model as it is now (one walk over its modules)."""
         parameters = {id(p): (name, p) for name, p in trainable_parameters(self._module).items()}
         owning: dict[int, set[int]] = {}
         modules: dict[int, tuple[str, nn.Module, NormRule]] = {}
@@ -131,7 +187,7 @@ class GhostEngine(ClippingEngine):
             for _, param in owned:
                 owning.setdefault(id(param), set()).add(id(module))
         owners = {key: ParameterOwner(parameters[key][0], frozenset(ids)) for key, ids in owning.items()}
-        return Coverage(parameters, owners, modules)
+        return Coverage(parameters, owners, modules, structure)
 
     def _rule_for(self, module_name: str, module: nn.Module, owned: list[tuple[str, str]]) -> NormRule:
         """The rule covering ``owned`` (full name, attribute name) parameters of ``module``, or refuse."""
@@ -145,15 +201,21 @@ class GhostEngine(ClippingEngine):
                     f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}"
                     f"{holder}, which has no ghost clipping rule for it; {advice}"
                 )
+        self._check_module_state(module_name, module, rule, owned[0][0])
+        return rule
+
+    @staticmethod
+    def _check_module_state(module_name: str, module: nn.Module, rule: NormRule, parameter_name: str) -> None:
+        """Refuse a covered module whose own attributes make its rule wrong (``parameter_name``: one it holds)."""
+        kind = type(module).__name__
         if "forward" in vars(module):
             raise ValueError(
-                f"trainable parameter {owned[0][0]!r} belongs to {module_name!r} ({kind}), whose forward was replaced "
-                "on the instance: its norm rule describes the class's own forward, so the norms would be wrong"
+                f"trainable parameter {parameter_name!r} belongs to {module_name!r} ({kind}), whose forward was "
+                "replaced on the instance: its norm rule describes the class's own forward, so the norms would be wrong"
             )
         reason = rule.refusal(module)
         if reason is not None:
-            raise ValueError(f"trainable parameter {owned[0][0]!r} ({module_name!r}, {kind}): {reason}")
-        return rule
+            raise ValueError(f"trainable parameter {parameter_name!r} ({module_name!r}, {kind}): {reason}")
 
     def _layer_holding(self, module_name: str) -> str:
         """`` inside 'x' (pkg.Type)``: the nearest enclosing layer not from torch (e.g. a peft adapter layer)."""
@@ -182,14 +244,20 @@ class GhostEngine(ClippingEngine):
             return ClipStats(losses=empty, norms=empty)
         losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            squared = losses.new_zeros(losses.shape[0], dtype=torch.float64)
-            for parameter_squared in self._squared_norms(uses).values():
-                squared = squared + parameter_squared  # [B], float64, never below the true squared norm
+            kept: dict[int, Tensor] = {}  # float64 per-example gradients formed for a norm, reused for the sum
+            per_parameter = list(self._squared_norms(uses, kept).values())  # each [B], float64, never below the truth
+            if per_parameter:
+                squared = torch.stack(per_parameter).sum(0)  # [P, B] -> [B]: one reduction, not P additions
+            else:
+                squared = losses.new_zeros(losses.shape[0], dtype=torch.float64)
             norms = squared.sqrt()
             keep = torch.isfinite(norms)  # a non-finite norm: the example contributes nothing (dp/dropped_examples)
             factors = torch.where(keep, clip_factors(norms, self.max_grad_norm), 0.0).to(dtype)
             dropped = not bool(keep.all())
             for key, (_, param) in coverage.parameters.items():
+                if key in kept:
+                    _add_kept_clipped_sum(param, kept.pop(key), factors, keep if dropped else None)
+                    continue
                 parameter_uses = uses.get(key, [])
                 if dropped:
                     parameter_uses = [without_examples(use, keep) for use in parameter_uses]
@@ -208,12 +276,39 @@ class GhostEngine(ClippingEngine):
             squared = self._squared_norms(uses)
         return {name: squared[key].sqrt() if key in squared else None for key, (name, _) in coverage.parameters.items()}
 
-    def _squared_norms(self, uses: dict[int, list[GradientUse]]) -> dict[int, Tensor]:
-        """Each used parameter's per-example ‖G‖² [B] over all its uses, by parameter ``id``."""
-        return {
-            key: parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)
-            for key, parameter_uses in uses.items()
-        }
+    def _squared_norms(
+        self, uses: dict[int, list[GradientUse]], kept: dict[int, Tensor] | None = None
+    ) -> dict[int, Tensor]:
+        """Each used parameter's per-example ‖G‖² [B] over all its uses, by parameter ``id``.
+
+        Parameters used once through a materialised gradient of one shape (biases, norm scales: most of a
+        transformer's parameters by count) are normed together, a stack at a time (:func:`stacked_squared_norms`).
+        With ``kept``, a weight used once whose norm is taken of its materialised per-example gradients (cheaper
+        than the Grams: T·r·c ≤ T²·(r + c)) leaves those float64 gradients there, by ``id``, up to
+        :data:`KEPT_ELEMENTS` in all: its clipped sum is then Σ_i c_i G_i over them, not a second product of
+        the factors.
+        """
+        squared: dict[int, Tensor] = {}
+        stacks: dict[tuple[Any, ...], list[list[int]]] = {}
+        room = KEPT_ELEMENTS if kept is not None else 0
+        for key, parameter_uses in uses.items():
+            use = parameter_uses[0]
+            values = use.values if isinstance(use, ExampleGradient) else None
+            if len(parameter_uses) == 1 and values is not None and values.numel() <= CHUNK_ELEMENTS:
+                batches = stacks.setdefault((values.shape, values.dtype, values.device), [[]])
+                if (len(batches[-1]) + 1) * values.numel() > CHUNK_ELEMENTS:  # each float64 stack within the chunk
+                    batches.append([])
+                batches[-1].append(key)
+            elif kept is not None and len(parameter_uses) == 1 and _keepable(use, room):
+                squared[key], kept[key] = materialised_parameter_squared_norm(use)
+                room -= kept[key].numel()
+            else:
+                squared[key] = parameter_squared_norm(parameter_uses, tied_norm=self._tied_norm)
+        for batches in stacks.values():
+            for keys in batches:
+                stacked = stacked_squared_norms(torch.stack([uses[key][0].values for key in keys]))  # [P, B]
+                squared.update(zip(keys, stacked.unbind(0)))
+        return {key: squared[key] for key in uses}  # in the order of the uses
 
     def _gradient_uses(
         self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype
@@ -314,12 +409,40 @@ def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtyp
     for call in calls:
         if call.output_grad is None:  # the output did not reach the loss: this call contributes nothing
             continue
-        activation = call.activation.to(dtype) if call.activation.is_floating_point() else call.activation
-        for name, use in call.rule.gradients(call.module, activation, call.output_grad.to(dtype)).items():
+        activation, output_grad = call.activation, call.output_grad
+        if activation.is_floating_point() and activation.dtype != dtype:
+            activation = activation.to(dtype)
+        if output_grad.dtype != dtype:
+            output_grad = output_grad.to(dtype)
+        for name, use in call.rule.gradients(call.module, activation, output_grad).items():
             param = getattr(call.module, name, None)
             if isinstance(param, nn.Parameter) and id(param) in coverage.parameters:
                 uses.setdefault(id(param), []).append(use)
     return uses
+
+
+KEPT_ELEMENTS = 2**25
+"""Most float64 per-example gradient elements kept from the norms for the clipped sums of one micro-batch (256 MB)."""
+
+
+def _keepable(use: GradientUse, room: int) -> bool:
+    """Whether ``use``'s norm materialises its per-example gradients, in one chunk, and they fit in ``room``."""
+    if not isinstance(use, FactoredGradient) or not factors_module.prefers_materialising(use):
+        return False
+    size = batch_size(use)
+    kept = size * use.left.width * use.right.width
+    return kept <= room and size * use.positions * (use.left.width + use.right.width) <= CHUNK_ELEMENTS
+
+
+def _add_kept_clipped_sum(param: nn.Parameter, gradients: Tensor, factors: Tensor, keep: Tensor | None) -> None:
+    """Add Σ_i c_i G_i to ``param.grad`` from the float64 per-example gradients G [B, r, c] the norm was taken of.
+
+    ``keep`` [B] (when some example was dropped): its False examples are zeroed first (their G may be NaN or inf).
+    """
+    if keep is not None:
+        gradients = torch.where(keep[:, None, None], gradients, 0.0)
+    total = torch.einsum("b,brc->rc", factors.to(gradients.dtype), gradients)  # [r, c], float64
+    add_to_grad(param, total.reshape(param.shape))
 
 
 def _add_clipped_sum(param: nn.Parameter, uses: list[GradientUse], factors: Tensor) -> None:

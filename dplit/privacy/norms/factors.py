@@ -105,9 +105,15 @@ def materialise(use: GradientUse) -> Tensor:
 
 
 def prefers_materialising(use: FactoredGradient) -> bool:
-    """Whether the [B, r, c] gradient is no bigger than two [B, T, T] Grams (2T² ≥ r·c); never for index factors."""
+    """Whether forming the [B, r, c] gradient takes no more multiply-adds than the two [B, T, T] Grams.
+
+    That is T·r·c ≤ T²·(r + c), i.e. r·c ≤ T·(r + c): the materialised gradient is then never bigger than
+    the factors it is formed from (it holds whenever it is no bigger than the two Grams, 2T² ≥ r·c). Never
+    for index factors (no per-example vocabulary-sized matrix).
+    """
     dense = isinstance(use.left, DenseFactor) and isinstance(use.right, DenseFactor)
-    return dense and 2 * use.positions**2 >= use.left.width * use.right.width
+    rows, cols = use.left.width, use.right.width
+    return dense and rows * cols <= use.positions * (rows + cols)
 
 
 def inner_product(first: GradientUse, second: GradientUse) -> Tensor:
@@ -122,9 +128,34 @@ def inner_product(first: GradientUse, second: GradientUse) -> Tensor:
 
 def squared_norm(use: GradientUse) -> Tensor:
     """Per-example ‖G‖² [B] of one use, by Grams ("ghost") or materialising, whichever is cheaper."""
-    if isinstance(use, ExampleGradient) or prefers_materialising(use):
-        return materialise(use).flatten(1).pow(2).sum(1)  # [B, *shape] -> [B]
+    if isinstance(use, ExampleGradient):
+        return use.values.flatten(1).pow(2).sum(1)  # [B, *shape] -> [B]
+    if prefers_materialising(use):
+        return materialised_squared_norm(use)[0]
     return inner_product(use, use)
+
+
+def materialised_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
+    """(‖G_i‖² [B], the per-example gradients G [B, r, c]) of a use of two dense factors, formed by one ``bmm``.
+
+    G is returned in the parameter's [r, c] layout (a transposed view when it was formed as Gᵀ, see
+    :func:`_materialised_dense`), so that a caller can keep it, e.g. to form the clipped sum from it.
+    """
+    product = _materialised_dense(use)
+    squared = product.flatten(1).pow(2).sum(1)  # [B, r, c] (or its transpose) -> [B]
+    return squared, product if use.left.width <= use.right.width else product.transpose(1, 2)
+
+
+def _materialised_dense(use: FactoredGradient) -> Tensor:
+    """G_i = Σ_t u_t v_tᵀ [B, r, c] of two dense factors, or G_iᵀ [B, c, r] when c < r: one ``bmm`` either way.
+
+    The narrower factor is the transposed operand (rows of the product), the faster layout for a batched
+    matrix product; a norm does not depend on which of G and Gᵀ it is taken of.
+    """
+    left, right = use.left.values, use.right.values  # [B, T, r], [B, T, c]
+    if use.left.width <= use.right.width:
+        return torch.bmm(left.transpose(1, 2), right)  # [B, r, T] x [B, T, c] -> [B, r, c]
+    return torch.bmm(right.transpose(1, 2), left)  # [B, c, T] x [B, T, r] -> [B, c, r]
 
 
 def concatenate(uses: list[FactoredGradient]) -> FactoredGradient:
@@ -152,7 +183,11 @@ def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
     Dense factors go through one ``addmm_`` (the smaller factor scaled by the weights), an index factor through
     one ``index_add_`` of the weighted rows.
     """
-    if isinstance(use, ExampleGradient):  # small parameters (biases, norm scales): the [shape] sum is tiny
+    if isinstance(use, ExampleGradient):  # small parameters (biases, norm scales): one matrix-vector product
+        values = use.values.reshape(use.values.shape[0], -1)  # [B, *shape] -> [B, D]
+        if out.dtype == values.dtype == weights.dtype:
+            out.view(-1).addmv_(values.T, weights)  # out += Σ_i w_i values_i
+            return out
         return out.add_(weighted_sum(use, weights).reshape(out.shape))
     left, right = use.left, use.right
     target = out.view(left.width, right.width)  # [r, c]
@@ -180,14 +215,18 @@ def batch_size(use: GradientUse) -> int:
 
 def example_slice(use: GradientUse, start: int, stop: int) -> GradientUse:
     """The use restricted to examples ``start:stop``, with dense values in float64 (for exact norm arithmetic)."""
+    whole = start == 0 and stop >= batch_size(use)  # the usual single chunk: no slicing
+
+    def rows(values: Tensor) -> Tensor:
+        return values if whole else values[start:stop]
 
     def part(factor: Factor) -> Factor:
         if isinstance(factor, DenseFactor):
-            return DenseFactor(factor.values[start:stop].double())  # [b, T, n]
-        return IndexFactor(factor.indices[start:stop], factor.width)  # [b, T]
+            return DenseFactor(rows(factor.values).double())  # [b, T, n]
+        return IndexFactor(rows(factor.indices), factor.width)  # [b, T]
 
     if isinstance(use, ExampleGradient):
-        return ExampleGradient(use.values[start:stop].double())
+        return ExampleGradient(rows(use.values).double())
     return FactoredGradient(part(use.left), part(use.right))
 
 
