@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from dplit.data.batches import PadCollator, TokenizedDataset
+from dplit.data.checks import check_count
 from dplit.data.files import read_glue_tsv
 from dplit.data.prompt import PromptTemplate
 from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split
@@ -243,5 +244,5 @@ def _check_data_dir(folder: Path, task: str) -> None:
 
 def _check_counts(**counts: int | None) -> None:
     for name, value in counts.items():
-        if value is not None and value < 1:
-            raise ValueError(f"data.{name} must be a positive integer, got {value}")
+        if value is not None:
+            check_count(name, value)

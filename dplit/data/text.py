@@ -22,6 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from dplit.data.batches import PadCollator, pad_token_rows
+from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.files import TextRows, check_data_file, read_rows, refusal
 from dplit.data.files import read_records as read_records  # dplit.release.generate's import (its old path)
@@ -145,8 +146,7 @@ class TextDataModule(LightningDataModule):
             "eval_batch_size": eval_batch_size,
             "max_length": max_length,
         }.items():
-            if value < 2 if name == "max_length" else value < 1:
-                raise ValueError(f"data.{name} must be a positive integer (max_length ≥ 2), got {value}")
+            check_count(name, value, least=2 if name == "max_length" else 1, note=" (max_length ≥ 2)")
         self.batch_size, self.eval_batch_size, self.max_length = batch_size, eval_batch_size, max_length
         self.num_workers = num_workers
         self.tokenizer: PreTrainedTokenizerBase = self.tokenizer_for(self.hparams)
