@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dplit.privacy.accountant import Mechanism, PrivacyAccountant
+from dplit.privacy.accounting import Mechanism, PrivacyAccountant
 from dplit.privacy.dpsgd import DPSGD, NO_NOISE_WARNING, clipping_engine
 from dplit.privacy.engine import Batch, ClippingEngine
 from dplit.privacy.integrity import check_digests, record_digest

@@ -15,8 +15,14 @@ import pytest
 from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis.prv import Domain, PoissonSubsampledGaussianPRV, compute_safe_domain_size
 
-import dplit.privacy.accountant as accountant_module
-from dplit.privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
+from dplit.privacy.accounting import (
+    PrivacyAccountant,
+    calibrate_noise_multiplier,
+    check_accountable,
+    default_delta,
+    limits,
+    opacus_epsilon,
+)
 
 
 def _refusal(call: Any, **kwargs: Any) -> str:
@@ -35,8 +41,8 @@ def no_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*_: object, **__: object) -> float:
         raise AssertionError("an accountant computation ran before the refusal")
 
-    monkeypatch.setattr(accountant_module, "_prv_epsilon", forbidden)
-    monkeypatch.setattr(accountant_module, "_rdp_epsilon", forbidden)
+    monkeypatch.setattr(opacus_epsilon, "prv_epsilon", forbidden)
+    monkeypatch.setattr(opacus_epsilon, "rdp_epsilon", forbidden)
 
 
 @pytest.mark.parametrize(("mechanism", "reference"), [("rdp", RDPAccountant), ("prv", PRVAccountant)])
@@ -70,7 +76,7 @@ def test_predicted_prv_grid_is_opacus_domain(history: list[tuple[float, float, i
     prvs = [PoissonSubsampledGaussianPRV(q, sigma) for sigma, q, _ in history]
     half_width = compute_safe_domain_size(prvs, [n for *_, n in history], 0.01, delta_error)
     domain = Domain.create_aligned(-half_width, half_width, 0.01 / np.sqrt(steps * np.log(12 / delta_error) / 2))
-    assert accountant_module._prv_grid(history, delta) == domain.size
+    assert opacus_epsilon.prv_grid(history, delta) == domain.size
 
 
 def test_epsilon_with_extra_steps_does_not_record_them() -> None:
@@ -206,7 +212,7 @@ def test_unreachable_target_names_what_to_change() -> None:
 
 
 def test_target_beyond_prv_grid_is_refused_with_the_largest_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(accountant_module, "PRV_MAX_GRID", 200_000)  # a small limit keeps the test fast
+    monkeypatch.setattr(limits, "PRV_MAX_GRID", 200_000)  # a small limit keeps the test fast
     plan = {"delta": 1e-5, "sample_rate": 0.01, "steps": 1000, "mechanism": "prv"}
     check_accountable(**plan, target_epsilon=6.0)  # type: ignore[arg-type]  # passes the arithmetic bound
     message = _refusal(calibrate_noise_multiplier, **plan, target_epsilon=6.0)
@@ -248,7 +254,7 @@ def test_other_opacus_errors_are_translated_in_epsilon_and_calibration(
     def failing(*_: object) -> float:
         raise error
 
-    monkeypatch.setattr(accountant_module, "_prv_epsilon", failing)
+    monkeypatch.setattr(opacus_epsilon, "prv_epsilon", failing)
     ledger = PrivacyAccountant(delta=1e-5, mechanism="prv")
     message = _refusal(ledger.epsilon, extra_steps=10, noise_multiplier=1.0, sample_rate=0.01)
     assert "DPStrategy.accountant='prv' cannot compute ε for 10 steps at σ=1, q=0.01" in message and expected in message

@@ -25,7 +25,7 @@ from opacus.accountants import PRVAccountant
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dplit.privacy.accountant import default_delta
+from dplit.privacy.accounting import default_delta
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 from dplit.strategy import DPStrategy

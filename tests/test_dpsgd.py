@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.privacy.accountant import PrivacyAccountant, default_delta
+from dplit.privacy.accounting import PrivacyAccountant, default_delta
 from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.engine import trainable_parameters
 from dplit.privacy.settings import DPSGDSettings

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dplit.cli import run_cli
-from dplit.privacy.accountant import PrivacyAccountant, default_delta
+from dplit.privacy.accounting import PrivacyAccountant, default_delta
 from dplit.privacy.history import (
     HISTORY_KEY,
     NON_PRIVATE_STEP,
@@ -20,7 +20,7 @@ from dplit.privacy.history import (
     inherited_segments,
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
-from dplit.privacy.relations import epsilon_under
+from dplit.privacy.accounting.relations import epsilon_under
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card

@@ -16,8 +16,8 @@ from scipy.optimize import brentq
 from scipy.stats import norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from dplit.privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier, default_delta
-from dplit.privacy.relations import epsilon_under, epsilons
+from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, default_delta
+from dplit.privacy.accounting.relations import epsilon_under, epsilons
 from dplit.privacy.sampling import poisson_loader
 
 # --- the shipped configs (issue 31 §4) ----------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from dplit.privacy import GhostEngine, build_engine
-from dplit.privacy.accountant import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
+from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
 from dplit.privacy.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dplit.privacy.accountant import History
+from dplit.privacy.accounting import History
 from dplit.privacy.ledger import CHECKPOINT_KEY
 
 Segment = dict[str, Any]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from dplit.privacy.accountant import History, Mechanism, PrivacyAccountant
+from dplit.privacy.accounting import History, Mechanism, PrivacyAccountant
 
 LEDGER_FILE = "privacy_ledger.json"
 CHECKPOINT_KEY = "dplit_privacy"

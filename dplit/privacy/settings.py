@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from dplit.privacy.accountant import DELTA_MAX, Mechanism
+from dplit.privacy.accounting import DELTA_MAX, Mechanism
 
 CLIPPING_ENGINES = ("ghost", "per_example")
 TIED_NORMS = ("exact", "bound")

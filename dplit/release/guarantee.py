@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from dplit.data.sources import HUB_DATASET
-from dplit.privacy.accountant import PrivacyAccountant
+from dplit.privacy.accounting import PrivacyAccountant
+from dplit.privacy.accounting.relations import epsilon_under
 from dplit.privacy.history import GUARANTEE_FILE, history_in_checkpoint, segment_steps
 from dplit.privacy.ledger import CHECKPOINT_KEY
-from dplit.privacy.relations import epsilon_under
 from dplit.release.provenance import RELEASE_KEY
 
 NEIGHBOURING_RELATION = (

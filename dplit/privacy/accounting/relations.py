@@ -21,7 +21,7 @@ import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
 Relation = Literal["add_remove", "replace_one"]
-Segment = tuple[float, float, int]  # (σ, q, steps), as dplit.privacy.accountant.History keeps them
+Segment = tuple[float, float, int]  # (σ, q, steps), as dplit.privacy.accounting.History keeps them
 
 VALUE_DISCRETIZATION_INTERVAL = 1e-3
 """The PLD's privacy-loss grid step. dp-accounting's own Gaussian calibration (``pld/accountant.py``) and its basic
