@@ -27,7 +27,7 @@ from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
-from dplit.release.trained import check_checkpoint_file
+from dplit.release.checkpoint import check_checkpoint_file
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel

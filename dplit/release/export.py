@@ -20,8 +20,9 @@ from transformers import PreTrainedModel
 from dplit.backbone.adapters import adapter_parameters
 from dplit.backbone.embeddings import is_tied
 from dplit.data.tasks import get_task
+from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE, model_card
-from dplit.release.trained import TrainedModel, check_checkpoint_file, load_trained
+from dplit.release.trained import TrainedModel, load_trained
 
 CLASSIFIER_FILE = "dplit_classifier.json"
 HEAD_FILE = "dplit_head.safetensors"

@@ -18,8 +18,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dplit.data.text import read_records, records_to_rows
+from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE
-from dplit.release.trained import check_checkpoint_file, load_trained
+from dplit.release.trained import load_trained
 
 
 @dataclass(frozen=True)

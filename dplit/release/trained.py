@@ -4,21 +4,18 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import pickle
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from lightning.pytorch.utilities import rank_zero_info
 from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dplit.backbone.embeddings import EmbeddingPolicy
 from dplit.privacy.history import history_in_checkpoint
-from dplit.privacy.integrity import check_digests
+from dplit.release.checkpoint import read_checkpoint
 from dplit.release.guarantee import guarantee_of
 from dplit.release.provenance import RELEASE_KEY
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
@@ -150,53 +147,6 @@ def saved_tokenizer(files: dict[str, bytes], data_hparams: dict[str, Any], *, so
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = data_hparams.get("padding_side", "right")
     return tokenizer
-
-
-def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:
-    """The content of a Lightning checkpoint of a dplit module (tensors and plain types only: ``weights_only``)."""
-    path = check_checkpoint_file(path, flag=flag)
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{flag} {path}: not a dplit checkpoint ({first})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"{flag} {path}: not a Lightning checkpoint (no state_dict)")
-    check_digests(checkpoint, source=f"{flag} {path}")
-    hparams = checkpoint.get("hyper_parameters") or {}
-    if "lr" not in hparams or not any(str(key).startswith("backbone.") for key in checkpoint["state_dict"]):
-        raise ValueError(f"{flag} {path}: not a dplit checkpoint (no dplit model hyperparameters or backbone weights)")
-    return checkpoint
-
-
-def check_checkpoint_file(path: str | Path, *, flag: str, weights_only: bool = True) -> Path:
-    """Refuse a path that is not a ``torch.save`` file, or one that pickles what weights-only loading refuses.
-
-    The file is not read whole. Objects ``torch.load(weights_only=True)`` would refuse to run are refused unless
-    ``weights_only`` is ``False``.
-    """
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise ValueError(f"{flag} {path}: is a folder; give a checkpoint file in it (e.g. checkpoints/last.ckpt)")
-    if not path.is_file():
-        raise ValueError(f"{flag} {path}: no such file")
-    unsafe = unsafe_globals(path)
-    if unsafe is None:
-        raise ValueError(f"{flag} {path}: not a checkpoint (not a file written by torch.save / Lightning)")
-    if unsafe and weights_only:
-        raise ValueError(
-            f"{flag} {path}: not a checkpoint dplit can load: it pickles {', '.join(unsafe)}, which "
-            "torch.load(weights_only=True) refuses to run (a Lightning checkpoint holds tensors and plain values)"
-        )
-    return path
-
-
-def unsafe_globals(path: Path) -> list[str] | None:
-    """The classes a ``torch.save`` file pickles beyond what ``weights_only`` loading allows (``None``: not such a file)."""
-    try:
-        return torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else None
-    except RuntimeError:  # a zip archive that torch.save did not write
-        return None
 
 
 def _record_from_config(
