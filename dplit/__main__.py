@@ -12,7 +12,7 @@ from dplit.terminal import front_door
 
 
 def main(args: list[str] | None = None) -> None:
-    """Run ``dplit`` on ``args`` (default ``sys.argv[1:]``): see :func:`dplit.main.main`."""
+    """Run ``dplit`` on ``args`` (default ``sys.argv[1:]``): see :func:`dplit.cli.main.main`."""
     argv = list(sys.argv[1:] if args is None else args)
     try:
         status = front_door([arg for arg in argv if arg != "--debug"])
@@ -21,7 +21,7 @@ def main(args: list[str] | None = None) -> None:
         raise SystemExit(1) from None
     if status is not None:
         raise SystemExit(status)
-    from dplit.main import main as run  # torch, Lightning, transformers: seconds
+    from dplit.cli.main import main as run  # torch, Lightning, transformers: seconds
 
     run(argv)
 

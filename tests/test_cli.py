@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from dplit.backbone.embeddings import is_tied
-from dplit.cli import run_cli
+from dplit.cli.lightning_cli import run_cli
 from dplit.strategy import DPStrategy
 from tests.executable import dplit_executable, user_environment
 from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
@@ -147,6 +147,47 @@ def test_unknown_task_is_refused_naming_the_flag(tmp_path: Path) -> None:
 def test_gradient_clipping_beside_dp_is_refused_naming_the_flag(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="gradient_clip_val"):
         run_cli(["fit", *quickstart_args(tmp_path, "--trainer.gradient_clip_val", "1.0")])
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "arguments"),
+    [
+        (["fit", "--config", "q.yaml"], "fit", ["--config", "q.yaml"]),
+        (["lm", "generate", "--model", "m"], "lm generate", ["--model", "m"]),
+        (["export", "--ckpt_path", "audit"], "export", ["--ckpt_path", "audit"]),
+        (["-c", "q.yaml", "fit"], "", ["-c", "q.yaml", "fit"]),  # flags first: the group's LightningCLI reads them
+        (["lm", "-c", "q.yaml", "fit"], "lm", ["-c", "q.yaml", "fit"]),
+    ],
+)
+def test_a_command_line_splits_into_the_command_and_its_arguments(
+    argv: list[str], command: str, arguments: list[str]
+) -> None:
+    # dplit.cli.main imports dplit.audit: imported in the tests, since test_audit.py checks that a fit run by a
+    # script importing this module imports no audit code
+    from dplit.cli.main import split_command
+
+    assert split_command(argv) == (command, arguments)
+
+
+def test_every_command_of_the_help_has_a_runner() -> None:
+    from dplit.cli.main import RUNNERS
+    from dplit.terminal import COMMANDS
+
+    assert set(RUNNERS) == set(COMMANDS) | {"", "lm"}
+
+
+def test_main_runs_the_command_of_the_table_on_the_arguments_after_its_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dplit.cli.main import RUNNERS, lightning, main
+
+    monkeypatch.setattr("dplit.cli.main.drop_inherited_launch_variables", list)  # leave this process's variables
+    calls: list[tuple[str, list[str]]] = []
+    for name in ("lm audit", "validate"):
+        monkeypatch.setitem(RUNNERS, name, lambda args, name=name: calls.append((name, args)))
+    main(["lm", "audit", "--config", "x.yaml", "--debug"])
+    main(["validate", "--ckpt_path", "last"])
+    assert calls == [("lm audit", ["--config", "x.yaml"]), ("validate", ["--ckpt_path", "last"])]
+    assert lightning(lambda args: calls.append(("cli", args)), "test")(["--x", "1"]) is None
+    assert calls[-1] == ("cli", ["test", "--x", "1"])  # LightningCLI reads its subcommand itself
 
 
 def test_python_dash_m_and_console_script_entry(tmp_path: Path) -> None:

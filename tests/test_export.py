@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from dplit.backbone.embeddings import is_tied
-from dplit.cli import run_cli, run_lm_cli
+from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.data.corpus import build_corpus_tokenizer
 from dplit.data.tokenizer import load_tokenizer
 from dplit.privacy.integrity import DIGEST_KEY

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dplit.cli import run_lm_cli
+from dplit.cli.lightning_cli import run_lm_cli
 from dplit.release.export import export_checkpoint
 from dplit.release.generate import (
     MAX_SAMPLES,

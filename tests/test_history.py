@@ -10,8 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from dplit.cli import run_cli
+from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
+from dplit.privacy.accounting.relations import epsilon_under
 from dplit.privacy.history import (
     HISTORY_KEY,
     NON_PRIVATE_STEP,
@@ -20,7 +21,6 @@ from dplit.privacy.history import (
     inherited_segments,
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
-from dplit.privacy.accounting.relations import epsilon_under
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card

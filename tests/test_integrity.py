@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dplit.cli import run_cli
+from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint

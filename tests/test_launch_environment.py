@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dplit.main import LAUNCH_VARIABLES, LAUNCHERS, drop_inherited_launch_variables
+from dplit.cli.launch import LAUNCH_VARIABLES, LAUNCHERS, drop_inherited_launch_variables
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,7 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
-from dplit.cli import run_lm_cli
+from dplit.cli.lightning_cli import run_lm_cli
 from dplit.data.text import TextCollator, TextDataModule, TextExample
 from dplit.privacy import GhostEngine
 from dplit.strategy import DPStrategy

@@ -16,7 +16,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-from dplit.cli import run_cli
+from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dplit.cli import PREEMPTED_EXIT, privacy_spent
+from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
 from tests.executable import dplit_executable, user_environment
 from tests.test_cli import CONFIGS
 

@@ -289,7 +289,7 @@ def test_uncovered_trainable_parameter_is_refused_at_setup_by_name(tmp_path: Pat
 def test_private_diagnostics_off_logs_only_the_public_privacy_metrics(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dplit.cli import run_cli
+    from dplit.cli.lightning_cli import run_cli
     from tests.test_cli import quickstart_args, steps
 
     quiet = ["--trainer.strategy.init_args.private_diagnostics", "false"]

@@ -26,7 +26,7 @@ from benchmarks.synthetic import (
     write_prompts,
     write_synthetic_tsv,
 )
-from dplit.cli import run_cli, run_lm_cli
+from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.release.generate import read_prompts

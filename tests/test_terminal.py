@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dplit.cli import run_cli
+from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.terminal import COMMANDS, show_warning, terminal_output
 from tests.executable import dplit_executable, user_environment

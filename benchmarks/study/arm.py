@@ -1,7 +1,7 @@
 """One arm of a study: ``dplit`` with a shipped config and overrides, in its own process, measured.
 
 The parent calls :func:`run_arm`; the child (``python -m benchmarks.study.arm SPEC``) runs dplit's own CLI
-(``dplit.cli.run_cli``), validates once after training, and writes what it measured (validation accuracy, ε spent,
+(``dplit.cli.lightning_cli.run_cli``), validates once after training, and writes what it measured (validation accuracy, ε spent,
 steps, σ, step times from :class:`StepTimer`, peak memory, trainable parameters by kind) as JSON.
 """
 
@@ -90,7 +90,7 @@ def child_main(spec_json: str) -> None:
     from dplit.backbone.adapters import trainable_counts
     from dplit.backbone.embeddings import is_tied
     from dplit.callbacks import peak_memory_mb
-    from dplit.cli import run_cli
+    from dplit.cli.lightning_cli import run_cli
     from dplit.strategy import DPStrategy
 
     started = time.perf_counter()

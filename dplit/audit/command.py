@@ -18,7 +18,8 @@ from typing_extensions import override
 from dplit.audit.bound import AuditBound, audit_bound
 from dplit.audit.canaries import InputCanaries
 from dplit.audit.strategy import CanaryDPStrategy
-from dplit.cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI, check_gguf_files, check_privacy_choice, strategy_class
+from dplit.cli.config_checks import check_gguf_files, check_privacy_choice, strategy_class
+from dplit.cli.lightning_cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.warnings import PrivacyWarning

@@ -1,0 +1,46 @@
+"""torch.distributed launch variables: trusted from a launcher, dropped when inherited from a parent process."""
+
+from __future__ import annotations
+
+import os
+
+LAUNCH_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+)  # fmt: skip
+"""The torch.distributed variables that tell a process it is one rank of a multi-process job, and where to meet."""
+
+LAUNCHERS = {
+    "TORCHELASTIC_RUN_ID": "torchrun",
+    "SLURM_NTASKS": "SLURM",
+    "OMPI_COMM_WORLD_SIZE": "Open MPI",
+    "PMI_SIZE": "MPI",
+    "LSB_JOBID": "LSF",
+    "DPLIT_LAUNCHED": "the user (DPLIT_LAUNCHED=1)",
+}
+"""A variable each launcher sets in the processes it starts → the launcher."""
+
+
+def drop_inherited_launch_variables() -> list[str]:
+    """Remove the :data:`LAUNCH_VARIABLES` that dplit inherited from the process that started it; return their names.
+
+    dplit trusts them only when a launcher started it (a variable of :data:`LAUNCHERS` is set: torchrun, SLURM,
+    MPI, LSF, or ``DPLIT_LAUNCHED=1`` from a user who starts the ranks by hand) or when it is a worker that
+    Lightning's own launcher started for a multi-device dplit run (``LOCAL_RANK`` ≥ 1). Otherwise they are what a
+    parent exported for itself: Lightning sets ``MASTER_ADDR``/``MASTER_PORT``/``LOCAL_RANK``/``NODE_RANK`` in
+    the process of an in-process ``trainer.fit``, and a ``dplit`` started from that process would try to join the
+    parent's (finished) process group on a port the parent still holds.
+    """
+    if any(name in os.environ for name in LAUNCHERS) or os.environ.get("LOCAL_RANK", "0") != "0":
+        return []
+    found = [name for name in LAUNCH_VARIABLES if name in os.environ]
+    for name in found:
+        del os.environ[name]
+    return found
+
+
+def inherited_message(names: list[str]) -> str:
+    """The warning for launch variables :func:`drop_inherited_launch_variables` dropped."""
+    return (
+        f"ignoring {', '.join(names)}: inherited from the process that started dplit, not set by a launcher "
+        "(torchrun, SLURM, MPI, LSF); set DPLIT_LAUNCHED=1 if you start the ranks of a multi-process run yourself"
+    )

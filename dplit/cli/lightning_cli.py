@@ -1,0 +1,187 @@
+"""``dplit fit|validate|test`` and ``dplit lm fit|validate``: LightningCLI over a dplit task and its data, from YAML."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jsonargparse import Namespace
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+from dplit.callbacks import use_plain_summary, use_quiet_progress_bar
+from dplit.cli.config_checks import (
+    NON_PRIVATE_WARNING,
+    check_checkpoint_settings,
+    check_config_command,
+    check_config_file,
+    check_gguf_files,
+    check_privacy_choice,
+    names_a_local_file,
+)
+from dplit.cli.messages import essential_error
+from dplit.cli.run_summary import PREEMPTED_EXIT, find_last_checkpoint, resume_hint, run_summary
+from dplit.data import GlueDataModule
+from dplit.data.text import TextDataModule
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.release.checkpoint import check_checkpoint_file
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
+
+
+class DPLitArgumentParser(LightningArgumentParser):
+    """LightningArgumentParser whose errors show the broken rule in one line instead of jsonargparse's union dump."""
+
+    @override
+    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
+        self.exit(2, f"dplit: error: {essential_error(message)}\n")
+
+    @override
+    def parse_path(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Namespace:
+        """Parse a ``--config`` file after refusing what YAML would read silently wrong (see :func:`check_config_file`)."""
+        check_config_file(Path(path))
+        check_config_command(Path(path), {action.dest for action in self._actions})
+        return super().parse_path(path, *args, **kwargs)
+
+
+class DPLitCLI(LightningCLI):
+    """LightningCLI that feeds the data's label words, vocabulary size, task and length limit into the model."""
+
+    links: tuple[tuple[str, str], ...] = (
+        ("data.label_word_ids", "model.label_word_ids"),
+        ("data.num_classes", "model.num_classes"),
+        ("data.vocab_size", "model.vocab_size"),
+        ("data.task", "model.task"),
+        ("data.max_length", "model.max_length"),
+    )
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test`` (GLUE's dev split); no ``predict``: there is nothing to predict on."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--non_private", type=bool, default=False,
+            help="Train without DPStrategy on purpose (no clipping, no noise, no privacy guarantee)",
+        )  # fmt: skip
+        for source, target in self.links:
+            parser.link_arguments(source, target, apply_on="instantiate")
+
+    @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand is not None:
+            config = self.config[subcommand]
+            ckpt_path = config.get("ckpt_path")
+            if names_a_local_file(ckpt_path):
+                weights_only = config.get("weights_only") is not False  # torch.load refuses other objects
+                check_checkpoint_file(ckpt_path, flag="--ckpt_path", weights_only=weights_only)
+            check_gguf_files(config)
+            if subcommand == "fit" and not check_privacy_choice(config):
+                rank_zero_warn(NON_PRIVATE_WARNING, category=PrivacyWarning)
+
+    @override
+    def _parse_ckpt_path(self) -> None:
+        """Lightning replaces the ``model`` settings by the checkpoint's: refuse or name those that differ."""
+        subcommand = self.config.get("subcommand")
+        given = self.config[subcommand]["model"].clone() if subcommand else None
+        super()._parse_ckpt_path()
+        if given is not None:
+            check_checkpoint_settings(given, self.config[subcommand]["model"])
+
+    def before_fit(self) -> None:
+        """Resolve ``--ckpt_path last`` and record in the logged hyperparameters whether the run is private."""
+        self._resolve_last_checkpoint()
+        non_private = bool(self.config_init[self.subcommand].get("non_private"))
+        for logger in self.trainer.loggers:
+            logger.log_hyperparams({"non_private": non_private})
+
+    def fit(self, **kwargs: Any) -> None:
+        """``trainer.fit``; stopped by SIGTERM (a scheduler preempting the job), exit 143 saying how to resume.
+
+        Lightning ends a run on SIGTERM with its ``SIGTERMException``, a ``SystemExit`` with status 0: the scheduler
+        would record a preempted job as a success.
+        """
+        try:
+            self.trainer.fit(**kwargs)
+        except SIGTERMException:
+            if self.trainer.is_global_zero:
+                print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
+            raise SystemExit(PREEMPTED_EXIT) from None
+
+    def after_fit(self) -> None:
+        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent."""
+        if self.trainer.is_global_zero and not self.trainer.interrupted:
+            print(f"dplit: done: {run_summary(self.trainer)}")
+
+    def before_validate(self) -> None:
+        """Resolve ``--ckpt_path last``."""
+        self._resolve_last_checkpoint()
+
+    def before_test(self) -> None:
+        """Resolve ``--ckpt_path last``."""
+        self._resolve_last_checkpoint()
+
+    def _resolve_last_checkpoint(self) -> None:
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") == "last":
+            config["ckpt_path"] = str(find_last_checkpoint(self.trainer))
+            rank_zero_info(f"--ckpt_path last: {config['ckpt_path']}")
+
+    @override
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            essential = essential_error(str(error))
+            if essential == str(error):
+                raise
+            raise ValueError(essential) from None
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """Lightning's trainer, with dplit's default progress bar and model summary.
+
+        The default progress bar loses ``v_num`` and the default summary its FLOPs column of zeros; a progress bar or
+        summary the user configured is kept as it is.
+        """
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init  # dplit audit: none
+        configured = list(config.get("trainer", {}).get("callbacks") or [])
+        trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults
+        if not any(isinstance(callback, ProgressBar) for callback in configured):
+            use_quiet_progress_bar(trainer)
+        if not any(isinstance(callback, ModelSummary) for callback in configured):
+            use_plain_summary(trainer)
+        return trainer
+
+
+class DPLitLMCLI(DPLitCLI):
+    """The ``dplit lm`` command: CausalLanguageModel on TextDataModule (vocabulary size and length linked)."""
+
+    links = (("data.vocab_size", "model.vocab_size"), ("data.max_length", "model.max_length"))
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` and ``validate`` (a text corpus has no test split here, and nothing to predict)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
+
+
+def run_cli(args: ArgsType = None) -> DPLitCLI:
+    """Parse ``args`` (default ``sys.argv[1:]``), run the subcommand and return the CLI (trainer, model, data)."""
+    return DPLitCLI(CausalLMClassifier, GlueDataModule, parser_class=DPLitArgumentParser, args=args)
+
+
+def run_lm_cli(args: ArgsType = None) -> DPLitLMCLI:
+    """Like :func:`run_cli`, for private next-token fine-tuning (``dplit lm fit --config configs/lm_X.yaml``)."""
+    return DPLitLMCLI(CausalLanguageModel, TextDataModule, parser_class=DPLitArgumentParser, args=args)
