@@ -143,7 +143,7 @@ def test_the_card_states_the_ledgers_epsilon_and_every_fact_a_reviewer_needs(tmp
     assert guarantee["noise_multiplier"] == ledger["noise_multiplier"] and guarantee["dataset_size"] == 200
     assert guarantee["sample_rate"] == pytest.approx(0.1) and guarantee["expected_batch_size"] == pytest.approx(20.0)
     assert (guarantee["sampling"], guarantee["clipping"], guarantee["tied_norm"]) == ("poisson", "ghost", "exact")
-    assert guarantee["embedding_policy"]["class_path"] == "dplit.embeddings.UntiedEmbeddings"
+    assert guarantee["embedding_policy"]["class_path"] == "dplit.backbone.embeddings.UntiedEmbeddings"  # as the config names it
     card = (tmp_path / "export" / "README.md").read_text()
     assert card.splitlines()[0].startswith("# Differentially private") and f"ε = {guarantee['epsilon']:.4g}" in card
     for fact in ("poisson", "one training example", "clipping bound C", "hyperparameters",
