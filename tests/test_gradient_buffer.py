@@ -51,3 +51,13 @@ def test_noise_has_the_asked_std_and_spares_the_extra_slots() -> None:
 def test_float64_parameters_keep_a_float64_buffer() -> None:
     buffer = GradientBuffer([nn.Parameter(torch.zeros(2, dtype=torch.float64))])
     assert buffer.flat.dtype == torch.float64
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 5, 9])  # first, middle and last gradient entry
+def test_a_non_finite_entry_anywhere_is_refused_before_release(bad: float, where: int) -> None:
+    buffer = GradientBuffer([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2, 3))], extra=1)
+    buffer.refuse_non_finite(step=1)  # all finite: passes
+    buffer.gradients[where] = bad
+    with pytest.raises(FloatingPointError, match="DP-SGD step 3: the noisy gradient sum is not finite"):
+        buffer.refuse_non_finite(step=3)

@@ -64,10 +64,10 @@ class ClippingEngine(ABC):
         """The clipping bound C."""
         return self._max_grad_norm
 
-    def check_parameters(self) -> None:
+    def check_parameters(self) -> None:  # noqa: B027 (optional: an engine that clips anything checks nothing)
         """Refuse (``ValueError`` naming it) a trainable parameter no rule covers, before any data is seen."""
 
-    def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
+    def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:  # noqa: B027 (optional, as above)
         """Refuse (raise ``ValueError`` naming it) any trainable parameter this engine cannot clip exactly."""
 
     @abstractmethod

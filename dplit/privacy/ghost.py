@@ -307,7 +307,7 @@ class GhostEngine(ClippingEngine):
         for batches in stacks.values():
             for keys in batches:
                 stacked = stacked_squared_norms(torch.stack([uses[key][0].values for key in keys]))  # [P, B]
-                squared.update(zip(keys, stacked.unbind(0)))
+                squared.update(zip(keys, stacked.unbind(0), strict=True))
         return {key: squared[key] for key in uses}  # in the order of the uses
 
     def _gradient_uses(

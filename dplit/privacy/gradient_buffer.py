@@ -81,7 +81,7 @@ class GradientBuffer:
 
     def refuse_non_finite(self, *, step: int) -> None:
         """Raise ``FloatingPointError`` if any entry (noise included) is NaN or infinite, before anything is released."""
-        if not bool(torch.isfinite(self.flat).all()):
+        if not bool(torch.isfinite(self.flat.amax()) & torch.isfinite(self.flat.amin())):  # NaN and ±inf propagate
             raise FloatingPointError(
                 f"DP-SGD step {step}: the noisy gradient sum is not finite (NaN or inf; check trainer.precision and "
                 "the learning rate); stopped before the optimizer step, nothing of it was released"

@@ -102,8 +102,10 @@ def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm =
 
 
 def materialised_parameter_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
-    """``parameter_squared_norm([use])`` of one use that prefers materialising, all examples in one chunk, and
-    the float64 per-example gradients [B, r, c] it was computed from (kept for the clipped sum)."""
+    """``parameter_squared_norm([use])`` of one use that prefers materialising, all examples in one chunk.
+
+    Also returns the float64 per-example gradients [B, r, c] it was computed from (kept for the clipped sum).
+    """
     chunk = example_slice(use, 0, batch_size(use))  # float64
     squared, gradients = materialised_squared_norm(chunk)  # what _exact_squared_norm([chunk]) computes
     norm = rigorous_norm(

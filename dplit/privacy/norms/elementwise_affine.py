@@ -102,7 +102,7 @@ def _batched_gradients(module: nn.Module, activation: Tensor, output_grad: Tenso
             grads = torch.autograd.grad(output, list(expanded.values()), output_grad.to(output.dtype))
     except RuntimeError:  # e.g. F.rms_norm / F.layer_norm require the parameter's own shape
         return None
-    return {name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads)}  # [B, *shape]
+    return {name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads, strict=True)}  # [B, *shape]
 
 
 def _vmap_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, Tensor]:
