@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy.accounting import Mechanism, PrivacyAccountant
+from dplit.privacy.clipping.engine import Batch, ClippingEngine
 from dplit.privacy.dpsgd import DPSGD, NO_NOISE_WARNING, clipping_engine
-from dplit.privacy.engine import Batch, ClippingEngine
 from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.noise import NoiseSource

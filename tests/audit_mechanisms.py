@@ -12,9 +12,9 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from dplit.audit.strategy import CanaryDPStrategy
-from dplit.privacy import build_engine
+from dplit.privacy.clipping import build_engine
+from dplit.privacy.clipping.engine import ClippingEngine
 from dplit.privacy.dpsgd import DPSGD
-from dplit.privacy.engine import ClippingEngine
 
 
 class HalfNoise(CanaryDPStrategy):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from dplit.privacy.engine import Batch, PerExampleLoss
+from dplit.privacy.clipping.engine import Batch, PerExampleLoss
 
 
 def per_example_gradients(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) -> list[dict[str, Tensor]]:

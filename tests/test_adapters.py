@@ -21,9 +21,9 @@ from torch import Tensor
 
 from dplit.backbone.adapters import adapter_parameters, trainable_counts
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, embedding_pair, is_tied
-from dplit.privacy import PerExampleEngine
-from dplit.privacy.ghost import GhostEngine
-from dplit.privacy.self_check import check_ghost_norms
+from dplit.privacy.clipping import PerExampleEngine
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel

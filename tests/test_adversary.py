@@ -13,14 +13,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from dplit.privacy import GhostEngine, PerExampleEngine
-from dplit.privacy.engine import Batch
+from dplit.privacy.clipping import GhostEngine, PerExampleEngine
+from dplit.privacy.clipping.engine import Batch
+from dplit.privacy.clipping.norms import NORM_RULES
+from dplit.privacy.clipping.norms.elementwise_affine import _BATCHED_REPLAY, elementwise_affine_gradients
+from dplit.privacy.clipping.norms.registry import register_norm_rule
+from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.noise import NoiseSource
-from dplit.privacy.norms import NORM_RULES
-from dplit.privacy.norms.elementwise_affine import _BATCHED_REPLAY, elementwise_affine_gradients
-from dplit.privacy.norms.registry import register_norm_rule
-from dplit.privacy.self_check import check_ghost_norms
 from dplit.privacy.training_state import StateWriteGuard
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.test_strategy import fit, make_model

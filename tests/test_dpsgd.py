@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
+from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.privacy.dpsgd import DPSGD
-from dplit.privacy.engine import trainable_parameters
 from dplit.privacy.settings import DPSGDSettings
 from dplit.tasks.classifier import GPT2Classifier
 from tests import brute_force

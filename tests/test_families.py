@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
-from dplit.privacy.engine import Batch
-from dplit.privacy.ghost import GhostEngine
+from dplit.privacy.clipping.engine import Batch
+from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.test_ghost import assert_close, check_against_oracles, padded_batch, record_materialise_choices, run

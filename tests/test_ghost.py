@@ -13,14 +13,14 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import dplit.privacy.ghost as ghost_module
-import dplit.privacy.norms.factors as factors_module
+import dplit.privacy.clipping.ghost as ghost_module
+import dplit.privacy.clipping.norms.factors as factors_module
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings
-from dplit.privacy import PerExampleEngine, build_engine
-from dplit.privacy.engine import Batch, ClippingEngine, ClipStats
-from dplit.privacy.ghost import GhostEngine
-from dplit.privacy.norms import FactoredGradient, squared_norm
-from dplit.privacy.norms.factors import prefers_materialising
+from dplit.privacy.clipping import PerExampleEngine, build_engine
+from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.norms import FactoredGradient, squared_norm
+from dplit.privacy.clipping.norms.factors import prefers_materialising
 from dplit.tasks.classifier import GPT2Classifier
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
 
@@ -573,7 +573,7 @@ def test_retying_after_setup_recomputes_the_owners() -> None:
 
 
 def test_small_chunks_stack_and_split_the_norms_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dplit.privacy.tied as tied_module
+    import dplit.privacy.clipping.parameter_norms as tied_module
 
     monkeypatch.setattr(ghost_module, "CHUNK_ELEMENTS", 200)  # biases and norm scales stacked a few at a time
     monkeypatch.setattr(tied_module, "CHUNK_ELEMENTS", 200)  # and large uses normed a few examples at a time

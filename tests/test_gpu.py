@@ -26,8 +26,8 @@ from torch import Tensor
 
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.callbacks import ResourceMonitor
-from dplit.privacy import GhostEngine, PerExampleEngine
-from dplit.privacy.engine import Batch, ClippingEngine, ClipStats
+from dplit.privacy.clipping import GhostEngine, PerExampleEngine
+from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats
 from dplit.strategy import DPStrategy
 from dplit.tasks.base import CausalLMModule
 from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
 from dplit.cli.lightning_cli import run_lm_cli
 from dplit.data.text import TextCollator, TextDataModule, TextExample
-from dplit.privacy import GhostEngine
+from dplit.privacy.clipping import GhostEngine
 from dplit.strategy import DPStrategy
 from dplit.tasks.language_model import CausalLanguageModel
 from tests.test_families import FAMILIES, attention_for, check

@@ -8,7 +8,7 @@ import transformers.configuration_utils
 from transformers import AutoConfig
 
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.privacy import GhostEngine, PerExampleEngine
+from dplit.privacy.clipping import GhostEngine, PerExampleEngine
 from dplit.tasks.classifier import GPT2Classifier
 from tests.test_families import FAMILIES
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB

@@ -7,8 +7,8 @@ import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from dplit.privacy.ghost import GhostEngine
-from dplit.privacy.norms import (
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.norms import (
     NORM_RULES,
     DenseFactor,
     ExampleGradient,
@@ -22,8 +22,8 @@ from dplit.privacy.norms import (
     squared_norm,
     weighted_sum,
 )
-from dplit.privacy.norms.factors import prefers_materialising
-from dplit.privacy.tied import (
+from dplit.privacy.clipping.norms.factors import prefers_materialising
+from dplit.privacy.clipping.parameter_norms import (
     ParameterOwner,
     ParameterUseMonitor,
     materialised_parameter_squared_norm,

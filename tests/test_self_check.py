@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dplit.privacy import GhostEngine
-from dplit.privacy.engine import Batch
-from dplit.privacy.norms import NORM_RULES, ExampleGradient, NormRule
-from dplit.privacy.self_check import check_ghost_norms
+from dplit.privacy.clipping import GhostEngine
+from dplit.privacy.clipping.engine import Batch
+from dplit.privacy.clipping.norms import NORM_RULES, ExampleGradient, NormRule
+from dplit.privacy.clipping.self_check import check_ghost_norms
 from tests.brute_force import gradient_norms, per_example_gradients
 from tests.test_strategy import fit, make_model
 

@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from opacus.accountants import PRVAccountant
 
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.privacy import PerExampleEngine, build_engine
 from dplit.privacy.accounting import default_delta
+from dplit.privacy.clipping import PerExampleEngine, build_engine
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import GPT2Classifier
 from tests import brute_force

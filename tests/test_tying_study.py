@@ -39,7 +39,7 @@ from benchmarks.tying import (
     settings_key,
 )
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
-from dplit.privacy.engine import trainable_parameters
+from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
 

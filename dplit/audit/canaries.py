@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from dplit.data.batches import TokenizedDataset
 from dplit.data.text import TextDataset, TextExample
-from dplit.privacy.engine import Batch
+from dplit.privacy.clipping.engine import Batch
 
 
 def _membership(count: int, generator: torch.Generator) -> Tensor:

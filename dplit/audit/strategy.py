@@ -10,8 +10,8 @@ from torch import Tensor
 from typing_extensions import override
 
 from dplit.audit.canaries import GradientCanaries
+from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.privacy.dpsgd import DPSGD
-from dplit.privacy.engine import trainable_parameters
 from dplit.strategy import DPStrategy
 
 

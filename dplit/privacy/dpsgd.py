@@ -35,16 +35,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
-from dplit.privacy import GhostEngine, build_engine
 from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
-from dplit.privacy.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
+from dplit.privacy.clipping import GhostEngine, build_engine
+from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
+from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
-from dplit.privacy.self_check import check_ghost_norms
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.warnings import PrivacyWarning

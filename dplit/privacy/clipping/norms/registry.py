@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from dplit.privacy.norms.factors import GradientUse
+from dplit.privacy.clipping.norms.factors import GradientUse
 
 GradientRule = Callable[[nn.Module, Tensor, Tensor], dict[str, GradientUse]]
 """Maps (module, its input [B, ...], the gradient of its output [B, ...]) to each parameter's use, by name."""

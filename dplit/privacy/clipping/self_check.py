@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from dplit.privacy.engine import Batch, PerExampleLoss, trainable_parameters
-from dplit.privacy.ghost import GhostEngine
+from dplit.privacy.clipping.engine import Batch, PerExampleLoss, trainable_parameters
+from dplit.privacy.clipping.ghost import GhostEngine
 
 
 def check_ghost_norms(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dplit.privacy.norms.factors import DenseFactor, FactoredGradient, GradientUse, IndexFactor
-from dplit.privacy.norms.registry import as_positions, register_norm_rule
+from dplit.privacy.clipping.norms.factors import DenseFactor, FactoredGradient, GradientUse, IndexFactor
+from dplit.privacy.clipping.norms.registry import as_positions, register_norm_rule
 
 
 def embedding_refusal(module: nn.Module) -> str | None:

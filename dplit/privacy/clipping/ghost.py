@@ -4,7 +4,7 @@ During :meth:`GhostEngine.accumulate` every covered module (``nn.Linear``, HF ``
 ``nn.LayerNorm``) that owns a trainable parameter keeps its input and, through a tensor hook on its output,
 the gradient of that output. The trainable parameters are switched to ``requires_grad=False`` for the pass,
 so autograd computes activation gradients only. From each call's (input, output gradient) the layer rules
-of :mod:`dplit.privacy.norms` give the per-example gradient in factorised form; :mod:`dplit.privacy.tied`
+of :mod:`dplit.privacy.clipping.norms` give the per-example gradient in factorised form; :mod:`dplit.privacy.clipping.parameter_norms`
 turns a parameter's uses (one, or several for tied weights and reused modules) into exact per-example
 norms; and the clipped sum Σ_i c_i G_i is formed per use with one matmul or ``index_add_`` (Bu et al. 2023).
 """
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import dplit.privacy.norms.factors as factors_module
-from dplit.privacy.engine import (
+import dplit.privacy.clipping.norms.factors as factors_module
+from dplit.privacy.clipping.engine import (
     Batch,
     ClippingEngine,
     ClipStats,
@@ -30,7 +30,7 @@ from dplit.privacy.engine import (
     clip_factors,
     trainable_parameters,
 )
-from dplit.privacy.norms import (
+from dplit.privacy.clipping.norms import (
     NORM_RULES,
     ExampleGradient,
     FactoredGradient,
@@ -39,8 +39,8 @@ from dplit.privacy.norms import (
     add_weighted_sum_,
     weighted_sum,
 )
-from dplit.privacy.norms.factors import batch_size, without_examples
-from dplit.privacy.tied import (
+from dplit.privacy.clipping.norms.factors import batch_size, without_examples
+from dplit.privacy.clipping.parameter_norms import (
     CHUNK_ELEMENTS,
     ParameterOwner,
     ParameterUseMonitor,
@@ -109,7 +109,7 @@ def trainable_structure(module: nn.Module) -> tuple[tuple[str, int, str, int], .
 class GhostEngine(ClippingEngine):
     """Per-example clipping without per-example gradients: one forward, one backward, exact norms.
 
-    Every trainable parameter must belong to a module type with a rule in :mod:`dplit.privacy.norms` and
+    Every trainable parameter must belong to a module type with a rule in :mod:`dplit.privacy.clipping.norms` and
     be used only through the modules that own it (a weight shared by several covered modules, such as
     GPT-2's tied embedding and LM head, is exact through cross terms). Anything else is refused with a
     ``ValueError`` naming the parameter, by :meth:`validate` and by every :meth:`accumulate`.
@@ -121,7 +121,7 @@ class GhostEngine(ClippingEngine):
         max_grad_norm: the clipping bound C.
         tied_norm: for a parameter used more than once, ``"exact"`` (cross terms) or ``"bound"``
             (Σ of per-use norms: sound, over-clips).
-        rules: norm rules by exact module type (default: :data:`dplit.privacy.norms.NORM_RULES`).
+        rules: norm rules by exact module type (default: :data:`dplit.privacy.clipping.norms.NORM_RULES`).
     """
 
     def __init__(

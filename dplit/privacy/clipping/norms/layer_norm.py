@@ -7,8 +7,8 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dplit.privacy.norms.factors import ExampleGradient, GradientUse
-from dplit.privacy.norms.registry import as_positions, register_norm_rule
+from dplit.privacy.clipping.norms.factors import ExampleGradient, GradientUse
+from dplit.privacy.clipping.norms.registry import as_positions, register_norm_rule
 
 
 @register_norm_rule(nn.LayerNorm, ("weight", "bias"))

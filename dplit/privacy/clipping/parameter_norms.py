@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from dplit.privacy.norms.factors import (
+from dplit.privacy.clipping.norms.factors import (
     DenseFactor,
     ExampleGradient,
     FactoredGradient,
@@ -36,7 +36,7 @@ from dplit.privacy.norms.factors import (
     summed_positions,
     triangle_bound,
 )
-from dplit.privacy.rounding import rigorous_norm, unit_roundoff
+from dplit.privacy.clipping.rounding import rigorous_norm, unit_roundoff
 
 TiedNorm = Literal["exact", "bound"]
 
@@ -73,7 +73,7 @@ def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm =
     """Per-example squared norm [B] (float64) of one parameter over all its uses, never below the true one.
 
     Computed in float64, a chunk of examples at a time, with the rigorous rounding slack of
-    :mod:`dplit.privacy.rounding`, so the bound holds in floating point (crafted cancelling examples included).
+    :mod:`dplit.privacy.clipping.rounding`, so the bound holds in floating point (crafted cancelling examples included).
 
     Args:
         uses: the parameter's uses (at least one), all for the same batch.

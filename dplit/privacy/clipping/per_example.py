@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from dplit.privacy.engine import (
+from dplit.privacy.clipping.engine import (
     Batch,
     ClippingEngine,
     ClipStats,

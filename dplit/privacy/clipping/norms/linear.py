@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from dplit.privacy.norms.factors import DenseFactor, ExampleGradient, FactoredGradient, GradientUse
-from dplit.privacy.norms.registry import as_positions, register_norm_rule
+from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, FactoredGradient, GradientUse
+from dplit.privacy.clipping.norms.registry import as_positions, register_norm_rule
 
 
 @register_norm_rule(nn.Linear, ("weight", "bias"))

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from dplit.privacy.norms.factors import ExampleGradient, GradientUse
-from dplit.privacy.norms.registry import register_norm_rule
+from dplit.privacy.clipping.norms.factors import ExampleGradient, GradientUse
+from dplit.privacy.clipping.norms.registry import register_norm_rule
 
 TRANSFORMERS_NORMS = {
     "llama": "LlamaRMSNorm",

@@ -1,7 +1,7 @@
 """Per-example gradient norm rules by layer type, and the factorised-gradient algebra they share."""
 
-from dplit.privacy.norms import conv1d, elementwise_affine, embedding, layer_norm, linear  # noqa: F401  (registers the rules)
-from dplit.privacy.norms.factors import (
+from dplit.privacy.clipping.norms import conv1d, elementwise_affine, embedding, layer_norm, linear  # noqa: F401  (registers the rules)
+from dplit.privacy.clipping.norms.factors import (
     DenseFactor,
     ExampleGradient,
     FactoredGradient,
@@ -15,7 +15,7 @@ from dplit.privacy.norms.factors import (
     squared_norm,
     weighted_sum,
 )
-from dplit.privacy.norms.registry import NORM_RULES, GradientRule, NormRule, register_norm_rule
+from dplit.privacy.clipping.norms.registry import NORM_RULES, GradientRule, NormRule, register_norm_rule
 
 __all__ = [
     "NORM_RULES",

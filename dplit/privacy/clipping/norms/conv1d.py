@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
-from dplit.privacy.norms.factors import DenseFactor, ExampleGradient, FactoredGradient, GradientUse
-from dplit.privacy.norms.registry import as_positions, register_norm_rule
+from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, FactoredGradient, GradientUse
+from dplit.privacy.clipping.norms.registry import as_positions, register_norm_rule
 
 
 @register_norm_rule(Conv1D, ("weight", "bias"))

@@ -1,0 +1,16 @@
+"""Per-example clipping: the engines that sum Σ_i min(1, C/‖g_i‖)·g_i, and the norm rules they are built on."""
+
+from dplit.privacy.clipping.engine import ClippingEngine, ClipStats
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.per_example import PerExampleEngine
+
+__all__ = ["ClipStats", "ClippingEngine", "GhostEngine", "PerExampleEngine", "build_engine"]
+
+
+def build_engine(name: str, module: object, *, max_grad_norm: float, **options: object) -> ClippingEngine:
+    """Construct the clipping engine called ``name`` (``"per_example"`` or ``"ghost"``) for ``module``."""
+    if name == "per_example":
+        return PerExampleEngine(module, max_grad_norm=max_grad_norm)  # type: ignore[arg-type]
+    if name == "ghost":
+        return GhostEngine(module, max_grad_norm=max_grad_norm, **options)  # type: ignore[arg-type]
+    raise ValueError(f"unknown clipping engine {name!r}: choose 'per_example' or 'ghost'")
