@@ -23,7 +23,7 @@ from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.training_state import StateWriteGuard
 from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
-from tests.test_strategy import fit, make_model
+from tests.helpers.fitting import fit, make_model
 
 # --- 1. noise that cannot be regenerated from the config -----------------------------------------------------------
 

@@ -23,8 +23,7 @@ from dplit.audit.canaries import GradientCanaries, InputCanaries
 from dplit.audit.command import AUDIT_FILE, audit_main
 from dplit.privacy.warnings import PrivacyWarning
 from tests.executable import dplit_executable, user_environment
-from tests.test_bad_inputs import lm_args
-from tests.test_cli import CONFIGS, TINY_LLAMA
+from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
 
 ROOT = Path(__file__).parents[1]
 
@@ -258,7 +257,7 @@ def test_the_executable_prints_the_verdict_and_fails_loudly_on_a_violation(tmp_p
 
 def test_a_normal_run_runs_no_audit_code(tmp_path: Path) -> None:
     script = (
-        "import sys\nfrom dplit.cli.lightning_cli import run_cli\nfrom tests.test_cli import quickstart_args, steps\n"
+        "import sys\nfrom dplit.cli.lightning_cli import run_cli\nfrom tests.helpers.commands import quickstart_args, steps\n"
         f"cli = run_cli(['fit', *quickstart_args(__import__('pathlib').Path({str(tmp_path)!r}), *steps(1))])\n"
         "assert type(cli.trainer.strategy).__name__ == 'DPStrategy', type(cli.trainer.strategy)\n"
         "assert not [name for name in sys.modules if name.startswith('dplit.audit')], 'audit code imported'\n"

@@ -27,8 +27,8 @@ from dplit.data.tokenizer import load_tokenizer
 from dplit.strategy import DPStrategy
 from tests.executable import dplit_executable, run_dplit_in_process, user_environment
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
-from tests.test_cli import CONFIGS, TINY, quickstart_args
-from tests.test_strategy import make_model
+from tests.helpers.commands import CONFIGS, TINY, lm_args, lora_on, quickstart_args
+from tests.helpers.fitting import make_model
 from tests.tiny import RandomTokenData
 
 Setup = Callable[[Path, Path, Path], list[str]]
@@ -48,12 +48,6 @@ def lm_flags(*extra: str) -> Setup:
     return lambda scratch, tokenizer, run: ["lm", "fit", *lm_args(run), *extra]
 
 
-def lm_args(run: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(CONFIGS / "lm_quickstart.yaml"), "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", "200", "--data.builtin_val_size", "20",
-        "--data.batch_size", "20", *extra,
-    ]  # fmt: skip
 
 
 def lm_hub_dataset(name: str) -> Setup:
@@ -66,10 +60,6 @@ def auditing(*extra: str) -> Setup:
     return lambda scratch, tokenizer, run: ["audit", *quickstart_args(run), *extra]
 
 
-def lora_on(*modules: str) -> str:
-    """``--model.peft`` for rank-4 LoRA on ``modules``."""
-    targets = ", ".join(f'"{module}"' for module in modules)
-    return f'{{"class_path": "peft.LoraConfig", "init_args": {{"r": 4, "target_modules": [{targets}]}}}}'
 
 
 def with_files(setup: Callable[[Path, Path], list[str]]) -> Setup:

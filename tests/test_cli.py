@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,60 +14,18 @@ from dplit.backbone.embeddings import is_tied
 from dplit.cli.lightning_cli import run_cli
 from dplit.strategy import DPStrategy
 from tests.executable import dplit_executable, user_environment
-from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
+from tests.helpers.commands import CONFIGS, GLUE_FILES, TINY, config_task, glue_args, quickstart_args, steps
 
-CONFIGS = Path(__file__).parents[1] / "configs"
-TINY = json.dumps({"n_layer": 1, "n_embd": 16, "n_head": 2, "n_positions": 256})
-TINY_LLAMA = json.dumps(
-    {"model_type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
-     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-)  # fmt: skip
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GLUE_FILES = {"sst2": (SST2_HEADER, SST2_ROWS), "qnli": (QNLI_HEADER, QNLI_ROWS), "qqp": (QQP_HEADER, QQP_ROWS)}
 GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
 
 
-def steps(count: int) -> list[str]:
-    """A short run of ``count`` DP steps then one validation batch (what ``fast_dev_run`` did; it is refused beside DP)."""
-    return [
-        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", str(count), "--trainer.limit_val_batches", "1",
-    ]  # fmt: skip
 
 
-def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(CONFIGS / "quickstart.yaml"),
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.enable_progress_bar", "false",
-        "--data.synthetic_train_size", "200",
-        "--data.synthetic_val_size", "40",
-        "--data.batch_size", "20",
-        *extra,
-    ]  # fmt: skip
 
 
-def config_task(config: Path) -> str:
-    return yaml.safe_load(config.read_text())["data"]["task"]
 
 
-def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
-    task = config_task(config)
-    header, rows = GLUE_FILES[task]
-    folder = write_glue_task(tmp_path / task, header, rows * 4)
-    return [
-        "--config", str(config),
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.accelerator", "cpu",
-        "--trainer.precision", "32-true",
-        "--trainer.enable_progress_bar", "false",
-        *steps(1),
-        "--model.pretrained", "null",
-        "--model.config", TINY_LLAMA if config.stem.startswith("smollm2") else TINY,
-        "--data.data_dir", str(folder),
-        "--data.tokenizer", str(tokenizer_dir),
-        "--data.batch_size", "4",
-        "--data.eval_batch_size", "4",
-    ]  # fmt: skip
 
 
 def test_quickstart_runs_one_private_step(tmp_path: Path) -> None:

@@ -24,8 +24,7 @@ from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, positions_of
 from tests.executable import dplit_executable, refusal_line, run_dplit, user_environment
-from tests.test_bad_inputs import lm_args, lora_on
-from tests.test_cli import TINY, TINY_LLAMA, glue_args, quickstart_args, steps
+from tests.helpers.commands import TINY, TINY_LLAMA, checkpoint_of, glue_args, lm_args, lora_on, quickstart_args, steps
 
 SST2_LORA = Path(__file__).parents[1] / "configs" / "smollm2_sst2_lora.yaml"
 POLICIES = {"tied": "dplit.embeddings.TiedEmbeddings", "untied": "dplit.embeddings.UntiedEmbeddings"}
@@ -33,9 +32,6 @@ FAMILIES = {"gpt2": TINY, "llama": TINY_LLAMA}
 TOLERANCE = 1e-5
 
 
-def checkpoint_of(root: Path) -> Path:
-    """The newest checkpoint a run under ``root`` wrote."""
-    return max(root.rglob("*.ckpt"), key=lambda path: path.stat().st_mtime)
 
 
 def classifier_run(tmp_path: Path, tokenizer: Path, family: str, policy: str, *extra: str) -> object:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,24 +12,11 @@ from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmb
 from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.tasks.classifier import CausalLMClassifier
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
-from tests.test_ghost import assert_close, check_against_oracles, padded_batch, record_materialise_choices, run
+from tests.helpers.families import FAMILIES, SMALL, attention_for, check
+from tests.helpers.oracles import padded_batch, record_materialise_choices
 
 VOCAB = 50
 LABEL_WORDS = [3, 7]
-SMALL = {
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,  # grouped-query attention: 2 query heads per key/value head
-    "max_position_embeddings": 64,
-}
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": {"model_type": "llama", **SMALL},
-    "qwen2": {"model_type": "qwen2", **SMALL},  # q/k/v projections with biases
-    "mistral": {"model_type": "mistral", **SMALL, "sliding_window": None},
-}
 POLICIES = [TiedEmbeddings(), UntiedEmbeddings()]
 
 
@@ -52,26 +36,8 @@ def classifier(
     return model.double()
 
 
-def attention_for(side: str) -> str:
-    """Left padding needs sdpa in float64.
-
-    Eager attention's float32 softmax turns float64's mask minimum into -inf, so a padding query that sees no key gives
-    NaN (float32 and bf16 models are fine with eager).
-    """
-    return "sdpa" if side == "left" else "eager"
 
 
-def check(module: nn.Module, loss_fn: Callable[[Batch], Tensor], batch: Batch, clip: float, side: str) -> None:
-    """Ghost against the brute-force loop and, where vmap can trace the model (eager), the per-example engine."""
-    if attention_for(side) == "eager":
-        check_against_oracles(module, loss_fn, batch, clip)
-        return
-    grads = per_example_gradients(module, loss_fn, batch)
-    stats, ghost_grads = run(GhostEngine(module, max_grad_norm=clip), module, loss_fn, batch)
-    assert_close(stats.norms, gradient_norms(grads))
-    expected = clipped_sum(grads, clip)
-    for name, grad in ghost_grads.items():
-        assert_close(grad, expected[name])
 
 
 class NextTokenLM(nn.Module):

@@ -28,8 +28,7 @@ from dplit.release.generate import (
     write_samples,
 )
 from tests.executable import dplit_executable, run_dplit, user_environment
-from tests.test_bad_inputs import lm_args
-from tests.test_export import checkpoint_of
+from tests.helpers.commands import checkpoint_of, lm_args
 
 PROMPTS = [{"prompt": "the movie is", "label": 1}, {"prompt": "this actress seems so very", "label": 0}]
 

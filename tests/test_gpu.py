@@ -33,10 +33,9 @@ from dplit.tasks.base import CausalLMModule
 from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier
 from dplit.tasks.language_model import CausalLanguageModel
 from tests import tiny
-from tests.test_families import FAMILIES
-from tests.test_ghost import TINY as TINY_GPT2_64
-from tests.test_ghost import assert_close, padded_batch
-from tests.test_lm import instruction_batch
+from tests.helpers.families import FAMILIES, instruction_batch
+from tests.helpers.oracles import TINY as TINY_GPT2_64
+from tests.helpers.oracles import assert_close, padded_batch
 
 CUDA = torch.cuda.is_available()
 pytestmark = [

@@ -25,8 +25,8 @@ from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
 from tests.executable import refusal_line, run_dplit
-from tests.test_cli import quickstart_args, steps
-from tests.test_strategy import fit, make_model
+from tests.helpers.commands import quickstart_args, steps
+from tests.helpers.fitting import fit, make_model
 from tests.tiny import RandomTokenData
 
 TRAIN_SIZE, BATCH = 64, 16  # RandomTokenData's defaults

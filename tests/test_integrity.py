@@ -12,7 +12,7 @@ from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint
 from tests.executable import refusal_line, run_dplit
-from tests.test_cli import quickstart_args, steps
+from tests.helpers.commands import quickstart_args, steps
 
 SIGMA = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
 

@@ -17,8 +17,8 @@ PARENT_SCRIPT = """
 import subprocess, sys
 from pathlib import Path
 from tests.executable import dplit_executable
-from tests.test_cli import quickstart_args
-from tests.test_strategy import fit, make_model
+from tests.helpers.commands import quickstart_args
+from tests.helpers.fitting import fit, make_model
 
 folder = Path(sys.argv[1])
 fit(folder / "in-process", make_model(), max_steps=1, noise_multiplier=1.0)  # Lightning exports MASTER_PORT, ...

@@ -14,15 +14,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, is_tied
 from dplit.cli.lightning_cli import run_lm_cli
-from dplit.data.text import TextCollator, TextDataModule, TextExample
+from dplit.data.text import TextDataModule
 from dplit.privacy.clipping import GhostEngine
 from dplit.strategy import DPStrategy
 from dplit.tasks.language_model import CausalLanguageModel
-from tests.test_families import FAMILIES, attention_for, check
-from tests.test_ghost import check_against_oracles
+from tests.helpers.families import FAMILIES, VOCAB, attention_for, check, instruction_batch
+from tests.helpers.oracles import check_against_oracles
 
 CONFIGS = Path(__file__).parents[1] / "configs"
-VOCAB = 30
 TINY_GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "n_positions": 64}
 POLICIES = [TiedEmbeddings(), UntiedEmbeddings()]
 
@@ -37,15 +36,6 @@ def language_model(
     return model.double()
 
 
-def instruction_batch(side: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Four examples of different lengths; two are prompt + response (loss on the response only)."""
-    generator = torch.Generator().manual_seed(seed)
-    examples = []
-    for length, prompt in [(9, 4), (3, 0), (26, 20), (14, 0)]:  # 26 tokens: past the Gram/materialise break-even
-        ids = torch.randint(0, VOCAB, (length,), generator=generator).tolist()
-        examples.append(TextExample(input_ids=ids, loss_mask=[0] * prompt + [1] * (length - prompt)))
-    examples[3]["input_ids"] = [5] * 14  # one example is a single token repeated (tied: many equal ids)
-    return TextCollator(pad_token_id=0, padding_side=side)(examples)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["tied", "untied"])

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping import GhostEngine, PerExampleEngine
 from dplit.tasks.classifier import GPT2Classifier
-from tests.test_families import FAMILIES
+from tests.helpers.families import FAMILIES
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 
 

@@ -21,8 +21,8 @@ from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from tests.executable import dplit_executable, user_environment
-from tests.test_cli import quickstart_args, steps
-from tests.test_strategy import CrashAtStep, fit, make_model
+from tests.helpers.commands import quickstart_args, steps
+from tests.helpers.fitting import CrashAtStep, fit, make_model
 from tests.tiny import RandomTokenData
 
 

@@ -12,7 +12,7 @@ import torch
 
 from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
 from tests.executable import dplit_executable, user_environment
-from tests.test_cli import CONFIGS
+from tests.helpers.commands import CONFIGS
 
 
 def quickstart(run: Path, *extra: str) -> list[str]:

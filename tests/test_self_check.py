@@ -14,7 +14,7 @@ from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.norms import NORM_RULES, ExampleGradient, NormRule
 from dplit.privacy.clipping.self_check import check_ghost_norms
 from tests.brute_force import gradient_norms, per_example_gradients
-from tests.test_strategy import fit, make_model
+from tests.helpers.fitting import fit, make_model
 
 
 class TimeFirstLinear(nn.Module):

@@ -13,61 +13,21 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from opacus.accountants import PRVAccountant
 
-from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.accounting import default_delta
 from dplit.privacy.clipping import PerExampleEngine, build_engine
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import GPT2Classifier
 from tests import brute_force
+from tests.helpers.fitting import BatchRecorder, CrashAtStep, fit, make_model
 from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens
 
 ENGINES = ["per_example", "ghost"]
 
 
-class BatchRecorder(Callback):
-    """Keeps every logical batch the trainer fed to the model."""
-
-    def __init__(self) -> None:
-        self.batches: list[dict[str, torch.Tensor]] = []
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.batches.append({key: value.clone() for key, value in batch.items()})
 
 
-def make_model(policy: str = "untied", head: str = "label_words") -> GPT2Classifier:
-    torch.manual_seed(0)
-    embeddings = TiedEmbeddings() if policy == "tied" else UntiedEmbeddings()
-    return GPT2Classifier(
-        config=TINY_GPT2, vocab_size=VOCAB, label_word_ids=LABEL_WORDS, embeddings=embeddings, head=head
-    ).double()
 
 
-def fit(
-    tmp_path: Path,
-    model: GPT2Classifier,
-    *,
-    max_steps: int,
-    data: RandomTokenData | None = None,
-    ckpt_path: str | None = None,
-    callbacks: list[Callback] | None = None,
-    **strategy_kwargs: Any,
-) -> tuple[L.Trainer, DPStrategy]:
-    settings = {"max_grad_norm": 0.1, "noise_multiplier": 0.0, "max_physical_batch_size": 5, "seed": 0}
-    strategy = DPStrategy(accelerator="cpu", **{**settings, **strategy_kwargs})
-    trainer = L.Trainer(
-        strategy=strategy,
-        devices=1,
-        precision="64-true",
-        max_steps=max_steps,
-        default_root_dir=tmp_path,
-        callbacks=callbacks or [],
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-    )
-    trainer.fit(model, data or RandomTokenData(), ckpt_path=ckpt_path)
-    return trainer, strategy
 
 
 @pytest.mark.parametrize("policy", ["tied", "untied"])
@@ -238,15 +198,6 @@ def test_without_dp_the_same_module_trains_non_privately(tmp_path: Path) -> None
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-class CrashAtStep(Callback):
-    """Raises ``error`` when the trainer is about to run step ``step``."""
-
-    def __init__(self, step: int, error: BaseException) -> None:
-        self._step, self._error = step, error
-
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_step == self._step:
-            raise self._error
 
 
 @pytest.mark.parametrize("error", [RuntimeError("disk on fire"), KeyboardInterrupt()], ids=["crash", "interrupt"])
@@ -290,7 +241,7 @@ def test_private_diagnostics_off_logs_only_the_public_privacy_metrics(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from dplit.cli.lightning_cli import run_cli
-    from tests.test_cli import quickstart_args, steps
+    from tests.helpers.commands import quickstart_args, steps
 
     quiet = ["--trainer.strategy.init_args.private_diagnostics", "false"]
     with caplog.at_level("INFO"):

@@ -1,0 +1,1 @@
+"""Code the tests share: tiny models and data, reference computations, command lines."""
