@@ -31,8 +31,9 @@ from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 from dplit.strategy import DPStrategy
 from tests import brute_force
 from tests.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
+from tests.helpers.paths import REPOSITORY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPOSITORY
 Q = BATCH_SIZE / TRAIN_SIZE  # the global Poisson rate: data.batch_size is the global expected batch
 EXACT = ["exact_untied", "exact_tied", "exact_tied_ghost"]
 NOISY = ["noisy_untied", "noisy_tied_ghost"]

@@ -11,7 +11,9 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.helpers.paths import REPOSITORY
+
+ROOT = REPOSITORY
 README = ROOT / "README.md"
 README_LIMIT = 8 * 1024
 """Bytes: the README is a landing page (issue 33 §6); everything else lives in docs/."""

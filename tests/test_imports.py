@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).parents[1] / "dplit"
+from tests.helpers.paths import REPOSITORY
+
+PACKAGE = REPOSITORY / "dplit"
 
 
 def module_name(path: Path) -> str:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
+from tests.helpers.paths import REPOSITORY
+
+ROOT = REPOSITORY
 CHECKED = ("dplit", "benchmarks", "tests")
 
 

@@ -16,7 +16,7 @@ stale, and the study would have run the whole grid again. A fingerprint (:func:`
 So moving or renaming modules and files (``dplit/...``, ``benchmarks/`` → ``bench/``, a class to another module, the
 configs to another folder), rewrapping a config and any change that alters no number keep every recorded arm; a
 changed config value, flag, class name or default of the study, or a bump of :data:`STUDY_CODE_VERSION`, runs them
-again. ``tests/test_tying_study.py`` replans every committed grid (``benchmarks/results/tying/**/results.json``) with
+again. ``tests/benchmarks/test_tying_study.py`` replans every committed grid (``benchmarks/results/tying/**/results.json``) with
 the current code and fails when a rerun would run any arm it recorded: a move that silently changed a fingerprint
 fails CI, and a deliberate bump must say what becomes of the committed grids.
 

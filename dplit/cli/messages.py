@@ -2,7 +2,7 @@
 
 jsonargparse reports a value that matches no type of a union (``float | None``, ``bool | int``) as a dump of every
 subtype it tried; the rule a user broke is one line of it, or can be said in one (``target_epsilon='inf': must be
-a finite number > 0``). Plain string work: ``tests/test_cli_messages.py`` pins each rewrite against the messages
+a finite number > 0``). Plain string work: ``tests/cli/test_cli_messages.py`` pins each rewrite against the messages
 the installed jsonargparse writes.
 """
 

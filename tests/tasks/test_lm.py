@@ -20,8 +20,9 @@ from dplit.strategy import DPStrategy
 from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.families import FAMILIES, VOCAB, attention_for, check, instruction_batch
 from tests.helpers.oracles import check_against_oracles
+from tests.helpers.paths import REPOSITORY
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = REPOSITORY / "configs"
 TINY_GPT2 = {"n_layer": 2, "n_embd": 16, "n_head": 2, "n_positions": 64}
 POLICIES = [TiedEmbeddings(), UntiedEmbeddings()]
 
@@ -243,7 +244,7 @@ def test_the_lm_quickstart_with_a_corpus_does_not_warn_about_its_own_settings(
 
     corpus = tmp_path / "notes.txt"
     corpus.write_text("".join(f"the note number {index} was short\n" for index in range(40)))
-    config = Path(__file__).parents[1] / "configs" / "lm_quickstart.yaml"
+    config = REPOSITORY / "configs" / "lm_quickstart.yaml"
     args = ["fit", "--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.max_steps", "1",
             "--trainer.enable_progress_bar", "false", "--trainer.limit_val_batches", "1",
             "--data.train_file", str(corpus), "--data.val_file", str(corpus), "--data.batch_size", "8",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.executable import refusal_line, run_dplit, user_environment
+from tests.helpers.paths import REPOSITORY
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = REPOSITORY / "configs"
 
 
 def test_glue_from_an_unreachable_hub_is_one_line_naming_data_data_dir(tmp_path: Path, tiny_bpe_dir: Path) -> None:

@@ -24,8 +24,9 @@ from dplit.audit.command import AUDIT_FILE, audit_main
 from dplit.privacy.warnings import PrivacyWarning
 from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
+from tests.helpers.paths import REPOSITORY
 
-ROOT = Path(__file__).parents[1]
+ROOT = REPOSITORY
 
 
 def full_batch_args(tmp_path: Path, *extra: str) -> list[str]:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from dplit.cli.launch import LAUNCH_VARIABLES, LAUNCHERS, drop_inherited_launch_variables
+from tests.helpers.paths import REPOSITORY
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPOSITORY
 
 PARENT_SCRIPT = """
 import subprocess, sys

@@ -25,8 +25,9 @@ from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, positions_of
 from tests.executable import dplit_executable, refusal_line, run_dplit, user_environment
 from tests.helpers.commands import TINY, TINY_LLAMA, checkpoint_of, glue_args, lm_args, lora_on, quickstart_args, steps
+from tests.helpers.paths import REPOSITORY
 
-SST2_LORA = Path(__file__).parents[1] / "configs" / "smollm2_sst2_lora.yaml"
+SST2_LORA = REPOSITORY / "configs" / "smollm2_sst2_lora.yaml"
 POLICIES = {"tied": "dplit.embeddings.TiedEmbeddings", "untied": "dplit.embeddings.UntiedEmbeddings"}
 FAMILIES = {"gpt2": TINY, "llama": TINY_LLAMA}
 TOLERANCE = 1e-5
@@ -36,7 +37,7 @@ TOLERANCE = 1e-5
 
 def classifier_run(tmp_path: Path, tokenizer: Path, family: str, policy: str, *extra: str) -> object:
     """One DP step of the SST-2 SmolLM2 config on a tiny random ``family`` backbone (real tokenizer files)."""
-    config = Path(__file__).parents[1] / "configs" / f"smollm2_sst2_{'tied' if policy == 'tied' else 'untied'}.yaml"
+    config = REPOSITORY / "configs" / f"smollm2_sst2_{'tied' if policy == 'tied' else 'untied'}.yaml"
     args = glue_args(config, tmp_path, tokenizer)
     args[args.index("--model.config") + 1] = FAMILIES[family]
     return run_cli(["fit", *args, "--model.embeddings", POLICIES[policy], *extra])
@@ -307,7 +308,7 @@ def test_real_smollm2_gguf_exports_untied_and_loads_untied(shared_data_dir: Path
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps({"text": f"A fine film, number {i}."}) + "\n" for i in range(40)))
     cli = run_lm_cli([
-        "fit", "--config", str(Path(__file__).parents[1] / "configs" / "smollm2_lm.yaml"),
+        "fit", "--config", str(REPOSITORY / "configs" / "smollm2_lm.yaml"),
         "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
         "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
         "--model.pretrained", str(folder), "--model.gguf_file", gguf, "--data.tokenizer", str(folder),
@@ -358,7 +359,7 @@ def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
 @pytest.mark.parametrize("config", ["missing.yaml", "lm_quickstart.yaml"])
 def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_path: Path, config: str) -> None:
     run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
-    path = Path(__file__).parents[1] / "configs" / config
+    path = REPOSITORY / "configs" / config
     error = refusal_line(
         run_dplit("export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "export"),
                   "--config", str(path))

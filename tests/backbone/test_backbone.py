@@ -6,8 +6,9 @@ import subprocess
 from pathlib import Path
 
 from tests.executable import refusal_line, run_dplit
+from tests.helpers.paths import REPOSITORY
 
-CONFIGS = Path(__file__).parents[1] / "configs"
+CONFIGS = REPOSITORY / "configs"
 
 
 def quickstart(*flags: str, root: Path) -> subprocess.CompletedProcess[str]:

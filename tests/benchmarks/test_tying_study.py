@@ -42,8 +42,9 @@ from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
+from tests.helpers.paths import REPOSITORY
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPOSITORY
 T_975 = {9: 2.2621571627, 16: 2.1199052992, 17: 2.1098155778}
 """Student t 97.5% quantiles by degrees of freedom (printed tables)."""
 

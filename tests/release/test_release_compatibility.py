@@ -19,8 +19,9 @@ import torch
 import yaml
 
 from tests.executable import run_dplit_in_process
+from tests.helpers.paths import REPOSITORY
 
-FIXTURES = Path(__file__).parent / "fixtures" / "release-0.1.0"
+FIXTURES = REPOSITORY / "tests" / "fixtures" / "release-0.1.0"
 COMMANDS = {"quickstart": ("fit",), "lm_quickstart": ("lm", "fit")}
 """Each fixture run and the dplit command that wrote it."""
 

@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import REPOSITORY
+
+ROOT = REPOSITORY
 SCRIPT = ROOT / "benchmarks" / "gpu.sh"
 PARTS = ["tests", "bench_gpt2", "bench_smollm2", "tying"]
 
