@@ -67,7 +67,10 @@ BY_NAME = {scenario["name"]: scenario for scenario in SCENARIOS}
 
 Ranks = list[dict[str, Any]]
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.slow,  # two processes (gloo)
+]
 
 
 @pytest.fixture(scope="module")

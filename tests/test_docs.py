@@ -86,6 +86,7 @@ def test_every_relative_link_resolves(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)}: links to missing files: {broken}"
 
 
+@pytest.mark.slow
 def test_docs_build_strictly_without_a_warning(tmp_path: Path) -> None:
     environment = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml")]

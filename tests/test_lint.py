@@ -14,6 +14,7 @@ ROOT = REPOSITORY
 CHECKED = ("dplit", "benchmarks", "tests")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     importlib.util.find_spec("ruff") is None,
     reason="ruff is not installed in this environment (it comes with the test extra: pip install -e '.[test]')",

@@ -256,6 +256,7 @@ def test_the_executable_prints_the_verdict_and_fails_loudly_on_a_violation(tmp_p
     assert bug.returncode == 3 and len(warnings) == 1 and "Traceback" not in bug.stderr
 
 
+@pytest.mark.slow
 def test_a_normal_run_runs_no_audit_code(tmp_path: Path) -> None:
     script = (
         "import sys\nfrom dplit.cli.lightning_cli import run_cli\nfrom tests.helpers.commands import quickstart_args, steps\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.executable import refusal_line, run_dplit
 from tests.helpers.paths import REPOSITORY
 
@@ -16,6 +18,7 @@ def quickstart(*flags: str, root: Path) -> subprocess.CompletedProcess[str]:
     return run_dplit("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.default_root_dir", str(root / "run"), *flags)
 
 
+@pytest.mark.slow
 def test_a_folder_without_config_json_is_named_as_not_a_model_folder(tmp_path: Path) -> None:
     folder = tmp_path / "notes"
     folder.mkdir()
@@ -24,6 +27,7 @@ def test_a_folder_without_config_json_is_named_as_not_a_model_folder(tmp_path: P
     assert f"model.pretrained='{folder}': the folder is not a model folder (no config.json)" in error
 
 
+@pytest.mark.slow
 def test_a_peft_method_that_cannot_wrap_gpt2s_conv1d_names_model_peft(tmp_path: Path) -> None:
     loha = '{"class_path": "peft.LoHaConfig", "init_args": {"r": 4, "target_modules": ["c_attn"]}}'
     error = refusal_line(quickstart("--model.peft", loha, root=tmp_path))

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
@@ -34,6 +36,7 @@ def run_script(out: Path, work: Path, **env: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path) -> None:
     done = run_script(tmp_path / "out", tmp_path / "work")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -53,6 +56,7 @@ def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path) -> N
     assert not (tmp_path / "out" / "parts.tsv").exists()
 
 
+@pytest.mark.slow
 def test_a_cpu_run_never_replaces_a_gpu_runs_summary_in_the_default_folder(tmp_path: Path) -> None:
     """Only without DPLIT_GPU_OUT: the committed folder's GPU summary stays; the CPU summary goes to the work folder."""
     script_dir = tmp_path / "checkout" / "benchmarks"

@@ -238,6 +238,7 @@ def git(folder: Path, *command: str) -> None:
                    capture_output=True)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_code_version_is_the_reviewed_one_whatever_was_committed_plus_uncommitted_changes(tmp_path: Path) -> None:
     assert study_code_version(tmp_path) == STUDY_CODE_VERSION  # not a git checkout: nothing uncommitted to see
     (tmp_path / "dplit").mkdir()
@@ -378,6 +379,7 @@ def failures(results: dict[str, Any], logs: Path) -> str:
     return "\n".join(lines) or f"every run ok; complete={results['complete']}"
 
 
+@pytest.mark.slow
 def test_the_study_resumes_from_its_results_and_pairs_by_seed(tmp_path: Path, tiny_pretrained: Path) -> None:
     sst2_folder(tmp_path / "sst2", 48)
     first = study(tmp_path, tiny_pretrained, "--seeds", "0")

@@ -147,6 +147,7 @@ def test_main_runs_the_command_of_the_table_on_the_arguments_after_its_name(monk
     assert calls[-1] == ("cli", ["test", "--x", "1"])  # LightningCLI reads its subcommand itself
 
 
+@pytest.mark.slow
 def test_python_dash_m_and_console_script_entry(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dplit", "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "fit" in result.stdout and "validate" in result.stdout
@@ -238,6 +239,7 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -256,6 +258,7 @@ def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra
     assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr
 
 
+@pytest.mark.slow
 def test_a_plain_typed_flag_given_another_type_is_one_line(tmp_path: Path) -> None:
     import subprocess
 

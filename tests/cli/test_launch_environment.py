@@ -30,6 +30,7 @@ sys.exit(result.returncode)
 """
 
 
+@pytest.mark.slow
 def test_dplit_started_after_an_in_process_fit_ignores_the_variables_lightning_exported(tmp_path: Path) -> None:
     script = tmp_path / "parent.py"
     script.write_text(PARENT_SCRIPT)

@@ -47,6 +47,7 @@ def test_differing_gguf_files_are_refused_in_one_line(tmp_path: Path) -> None:
         run_cli(["fit", *quickstart_args(tmp_path, "--data.gguf_file", "x.gguf")])
 
 
+@pytest.mark.slow
 def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: Path) -> None:
     command = [dplit_executable(), "fit",
                *quickstart_args(tmp_path, "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")]  # fmt: skip
@@ -57,6 +58,7 @@ def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: 
     assert not [noise for noise in NOISE if noise in output], output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--help"], ["lm", "--help"], [], ["lm"]], ids=["help", "lm-help", "bare", "bare-lm"])
 def test_one_help_lists_every_command_with_a_line_each(argv: list[str]) -> None:
     result = subprocess.run([dplit_executable(), *argv], capture_output=True, text=True, timeout=120, check=False, env=user_environment())
@@ -66,6 +68,7 @@ def test_one_help_lists_every_command_with_a_line_each(argv: list[str]) -> None:
     assert {"generate", "audit", "export"} <= set(result.stdout.split())
 
 
+@pytest.mark.slow
 def test_help_and_a_mistyped_command_answer_without_importing_torch_or_lightning() -> None:
     script = (
         "import sys\nfrom dplit.__main__ import main\n"

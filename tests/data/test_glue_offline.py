@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.executable import refusal_line, run_dplit, user_environment
 from tests.helpers.paths import REPOSITORY
 
 CONFIGS = REPOSITORY / "configs"
 
 
+@pytest.mark.slow
 def test_glue_from_an_unreachable_hub_is_one_line_naming_data_data_dir(tmp_path: Path, tiny_bpe_dir: Path) -> None:
     environment = {**user_environment(), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     result = run_dplit(

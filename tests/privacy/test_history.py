@@ -139,6 +139,7 @@ def test_a_seeded_segment_resumed_without_the_seed_stays_not_private(tmp_path: P
 # --- the history through checkpoints, exports and older files ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path) -> None:
     sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
     run_cli(["fit", *quickstart_args(tmp_path / "first", *steps(3), *sigma)])

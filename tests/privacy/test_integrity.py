@@ -48,6 +48,7 @@ def test_every_checkpoint_records_the_digest_of_its_weights_history_and_ledger(t
     check_digests(state, source="the file")  # intact: accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["weights", "ledger", "history"])
 def test_a_changed_checkpoint_is_refused_by_export_and_resume(trained: Path, tmp_path: Path, change: str) -> None:
     path = tampered(trained, tmp_path, change)
@@ -95,6 +96,7 @@ def test_a_checkpoint_resumed_in_its_run_folder_does_not_warn(trained: Path, tmp
     assert not [warning for warning in caught if "not beside it" in str(warning.message)]
 
 
+@pytest.mark.slow
 def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(trained: Path, tmp_path: Path) -> None:
     resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
     resume[resume.index("--data.synthetic_train_size") + 1] = "240"
@@ -103,6 +105,7 @@ def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(tra
     assert "δ=" not in error and not list((tmp_path / "resumed").rglob("*.ckpt"))
 
 
+@pytest.mark.slow
 def test_a_folder_given_as_ckpt_path_is_called_a_folder(tmp_path: Path) -> None:
     for command in (["fit", *quickstart_args(tmp_path / "run", *steps(1))], ["export", "--output_dir", str(tmp_path / "out")]):
         assert f"--ckpt_path {tmp_path}: is a folder" in refusal_line(run_dplit(*command, "--ckpt_path", str(tmp_path)))

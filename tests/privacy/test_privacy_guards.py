@@ -190,6 +190,7 @@ def test_subcommands_that_cannot_work_are_not_offered(subcommand: str, tmp_path:
     assert stop.value.code == 2 and "dplit: error:" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path) -> None:
     """SIGINT to the real executable mid-run: interrupted.ckpt holds exactly the steps the ledger file counts."""
     sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]

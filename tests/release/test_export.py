@@ -324,6 +324,7 @@ def test_real_smollm2_gguf_exports_untied_and_loads_untied(shared_data_dir: Path
         torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(tmp_path: Path) -> None:
     run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
     command = [
@@ -356,6 +357,7 @@ def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
     assert checkpoint["hyper_parameters"] is not None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["missing.yaml", "lm_quickstart.yaml"])
 def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_path: Path, config: str) -> None:
     run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])

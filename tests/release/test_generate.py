@@ -93,6 +93,7 @@ def generate_args(model: Path, prompts: Path, out: Path, *extra: str) -> list[st
             "--device", "cpu", *extra]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_executable_writes_the_jsonl_and_prints_the_samples_privacy(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -158,6 +159,7 @@ def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warni
     assert len(rows) == 2 * len(prompts) and all(row["text"] for row in rows)
 
 
+@pytest.mark.slow
 def test_the_executable_generates_with_default_options_from_a_quickstart_export(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -237,6 +239,7 @@ def interrupted(command: list[str], started: Callable[[], bool], **variables: st
     return subprocess.CompletedProcess(command, process.returncode, output)
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_generating_keeps_the_samples_drawn_in_one_line(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -276,6 +279,7 @@ safetensors.torch.save_file = save_file
 lands while the export folder is half-written."""
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_exporting_is_one_line_and_leaves_no_folder(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
