@@ -18,7 +18,7 @@ _PRIVACY_NUMBERS = {
 }
 _KEY = re.compile(r"(?:Parser key \"|NestedArg\(key=')(?P<key>[^\"']+)")
 _VALUE = re.compile(r"(?:Given value: |Got value: |val=')(?P<value>[^'\n)]*)")
-_SINGLE_TYPE = re.compile(r"Expected a (?P<kind><class '[a-z]+'>)")
+_SINGLE_TYPE = re.compile(r"Expected a (?P<kind><class '[a-z]+'>|typing\.Literal\[[^\]]*\])")
 _UNION_NOISE = ("Expected a ", "Given value", "Subtypes", "Does not validate", "Errors:", "Got value", "Parser key")
 
 

@@ -9,7 +9,7 @@ jsonargparse upgrade changes how it writes them.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import pytest
 from jsonargparse import ArgumentParser
@@ -185,6 +185,12 @@ REWRITES = [
         "data.batch_size='many': expected an integer",
     ),
     Rewrite(
+        "tied-norm-choice",
+        "--trainer.strategy.init_args.tied_norm loose",
+        "Parser key \"tied_norm\":\n  Expected a typing.Literal['exact', 'bound']. Got value: loose",
+        "tied_norm='loose': expected one of 'exact', 'bound'",
+    ),
+    Rewrite(
         "unknown-flag",
         "--model.nonsense 1",
         "unrecognized arguments: --model.nonsense 1",
@@ -203,6 +209,7 @@ LIVE = [
     ("seed-maybe", "seed_everything", Union[bool, int], "maybe"),  # noqa: UP007 (the type as Lightning declares it)
     ("inf-epsilon", "target_epsilon", Optional[float], "inf"),  # noqa: UP045
     ("nan-C", "max_grad_norm", float, "nan"),
+    ("tied-norm-choice", "tied_norm", Literal["exact", "bound"], "loose"),
     ("lr-text", "model.lr", float, "abc"),
     ("batch-size-text", "data.batch_size", int, "many"),
     ("max-epochs-text", "trainer.max_epochs", Optional[int], "abc"),  # noqa: UP045
