@@ -3,7 +3,7 @@
 Table 1: claimed ε ∈ {1, 2, 4, 8} and the non-private row (σ = 0) against the one-run lower bound ε̂, white-box
 (gradient canaries) and black-box (random-token canaries), for the quickstart model (Poisson batches at q = 0.05, and 64 rows in
 full batches, where a one-run audit has most power) and a tiny Llama LM (full batches).
-Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/audit_mechanisms.py``):
+Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/helpers/audit_mechanisms.py``):
 noise std halved, division by the realised batch size, a canary's clipping skipped, no clipping at all.
 
 Run:  python -m benchmarks.audit            (50 runs, about 11 minutes on 2 CPU cores)
@@ -94,7 +94,7 @@ def command(run: dict[str, Any], root: Path) -> list[str]:
     """``python -m dplit <audit> ...`` for ``run``, its logs under ``root``."""
     subcommand, args = SETUPS[run["setup"]]
     mechanism = MECHANISMS[run["mechanism"]]
-    strategy = ["--trainer.strategy.class_path", f"tests.audit_mechanisms.{mechanism}"] if mechanism else []
+    strategy = ["--trainer.strategy.class_path", f"tests.helpers.audit_mechanisms.{mechanism}"] if mechanism else []
     return [
         sys.executable, "-m", "dplit", *subcommand.split(), *args, *strategy, *privacy_args(run["claimed"]),
         "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     logs = LOGS if args.output == OUTPUT else args.output / "runs"
     logs.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine_info(), "git": git_info("dplit", "tests/audit_mechanisms.py"),
+    results: dict[str, Any] = {"machine": machine_info(), "git": git_info("dplit", "tests/helpers/audit_mechanisms.py"),
                                "profile": "smoke" if args.smoke else "default", "runs": [], "wall_s": 0.0}  # fmt: skip
     started = time.monotonic()
     for index, run in enumerate(plan(args.smoke)):

@@ -1,6 +1,6 @@
 """DPStrategy on two CPU processes (gloo): the one-process update, identical replicas, noise once, global ε.
 
-One torchrun launch (tests/ddp_worker.py) runs every two-process scenario; each rank saves what it saw, and
+One torchrun launch (tests/helpers/ddp_worker.py) runs every two-process scenario; each rank saves what it saw, and
 the tests compare the ranks with each other, with one-process runs replaying the union of the ranks'
 batches, with the brute-force oracle and with opacus' accountant.
 """
@@ -29,8 +29,8 @@ from dplit.privacy.accounting import default_delta
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
 from dplit.strategy import DPStrategy
-from tests import brute_force
-from tests.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
+from tests.helpers import brute_force
+from tests.helpers.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
@@ -82,7 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Ranks]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     launch = subprocess.Popen(
-        [*command, str(ROOT / "tests" / "ddp_worker.py"), str(spec), str(out)],
+        [*command, str(ROOT / "tests" / "helpers" / "ddp_worker.py"), str(spec), str(out)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

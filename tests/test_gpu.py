@@ -32,7 +32,7 @@ from dplit.strategy import DPStrategy
 from dplit.tasks.base import CausalLMModule
 from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier
 from dplit.tasks.language_model import CausalLanguageModel
-from tests import tiny
+from tests.helpers import tiny
 from tests.helpers.families import FAMILIES, instruction_batch
 from tests.helpers.oracles import TINY as TINY_GPT2_64
 from tests.helpers.oracles import assert_close, padded_batch

@@ -17,9 +17,9 @@ from dplit.privacy.accounting import default_delta
 from dplit.privacy.clipping import PerExampleEngine, build_engine
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import GPT2Classifier
-from tests import brute_force
+from tests.helpers import brute_force
 from tests.helpers.fitting import BatchRecorder, CrashAtStep, fit, make_model
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokenData, RandomTokens
 
 ENGINES = ["per_example", "ghost"]
 

@@ -2,7 +2,7 @@
 
 The runs use the quickstart model in the regime where a one-run audit has most power: full batches (q = 1, 64
 synthetic rows, 20 steps), δ = 1e-7, fixed noise and auditor seeds. The broken mechanisms are in
-``tests/audit_mechanisms.py`` and reach the audit through ``--trainer.strategy.class_path``.
+``tests/helpers/audit_mechanisms.py`` and reach the audit through ``--trainer.strategy.class_path``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, gu
 from dplit.audit.canaries import GradientCanaries, InputCanaries
 from dplit.audit.command import AUDIT_FILE, audit_main
 from dplit.privacy.warnings import PrivacyWarning
-from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
+from tests.helpers.executable import dplit_executable, user_environment
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
@@ -48,7 +48,7 @@ NO_NOISE = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.st
 
 
 def broken(name: str) -> list[str]:
-    return ["--trainer.strategy.class_path", f"tests.audit_mechanisms.{name}"]
+    return ["--trainer.strategy.class_path", f"tests.helpers.audit_mechanisms.{name}"]
 
 
 # the bound

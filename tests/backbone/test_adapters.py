@@ -27,11 +27,11 @@ from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
-from tests import brute_force
+from tests.helpers import brute_force
 from tests.helpers.families import FAMILIES, attention_for, check
 from tests.helpers.fitting import BatchRecorder, fit
 from tests.helpers.oracles import TINY, assert_close, padded_batch, run
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
 
 TARGETS = {"gpt2": ["c_attn", "c_proj", "c_fc"], "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]}
 BACKBONES = {"gpt2": {"model_type": "gpt2", **TINY}, "llama": FAMILIES["llama"]}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit
 from tests.helpers.paths import REPOSITORY
 
 CONFIGS = REPOSITORY / "configs"

@@ -30,7 +30,7 @@ from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.release.generate import read_prompts
-from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
+from tests.helpers.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
 
 
 def test_rows_are_read_with_quoting_off_from_an_offset(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from benchmarks.tying import (
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.tasks.classifier import CausalLMClassifier
-from tests.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
+from tests.helpers.glue_files import SST2_HEADER, SST2_ROWS, write_tsv
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY

@@ -2,7 +2,7 @@
 
 Every row must end with exit code 2, no traceback, exactly one ``dplit: error:`` line (the last on stderr) naming
 the culprit, and no checkpoint or ledger written. Rows run inside the test process through the console script's
-function (:func:`tests.executable.run_dplit_in_process`, which puts back what a run changes); a few also run the
+function (:func:`tests.helpers.executable.run_dplit_in_process`, which puts back what a run changes); a few also run the
 real ``dplit`` executable in a subprocess (:data:`END_TO_END`, marked slow), and the rows that depend on what only
 a fresh process reads run only there (:data:`EXECUTABLE_ONLY`).
 """
@@ -25,11 +25,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from dplit.data.tokenizer import load_tokenizer
 from dplit.strategy import DPStrategy
-from tests.executable import dplit_executable, run_dplit_in_process, user_environment
-from tests.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
 from tests.helpers.commands import CONFIGS, TINY, lm_args, lora_on, quickstart_args
+from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
 from tests.helpers.fitting import make_model
-from tests.tiny import RandomTokenData
+from tests.helpers.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
+from tests.helpers.tiny import RandomTokenData
 
 Setup = Callable[[Path, Path, Path], list[str]]
 """Builds one bad run's command line after ``dplit`` from (a scratch folder, the tiny BPE tokenizer, the run folder)."""

@@ -13,8 +13,8 @@ import yaml
 from dplit.backbone.embeddings import is_tied
 from dplit.cli.lightning_cli import run_cli
 from dplit.strategy import DPStrategy
-from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import CONFIGS, GLUE_FILES, TINY, config_task, glue_args, quickstart_args, steps
+from tests.helpers.executable import dplit_executable, user_environment
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
@@ -262,7 +262,7 @@ def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra
 def test_a_plain_typed_flag_given_another_type_is_one_line(tmp_path: Path) -> None:
     import subprocess
 
-    from tests.executable import dplit_executable, user_environment
+    from tests.helpers.executable import dplit_executable, user_environment
 
     command = [dplit_executable(), "fit", *quickstart_args(tmp_path, "--trainer.max_steps", "abc")]
     result = subprocess.run(command, capture_output=True, text=True, env=user_environment(), timeout=600, check=False)

@@ -17,7 +17,7 @@ ROOT = REPOSITORY
 PARENT_SCRIPT = """
 import subprocess, sys
 from pathlib import Path
-from tests.executable import dplit_executable
+from tests.helpers.executable import dplit_executable
 from tests.helpers.commands import quickstart_args
 from tests.helpers.fitting import fit, make_model
 

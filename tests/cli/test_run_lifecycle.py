@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
-from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import CONFIGS
+from tests.helpers.executable import dplit_executable, user_environment
 
 
 def quickstart(run: Path, *extra: str) -> list[str]:

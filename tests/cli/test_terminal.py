@@ -13,8 +13,8 @@ import pytest
 from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.terminal import COMMANDS, show_warning, terminal_output
-from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import quickstart_args
+from tests.helpers.executable import dplit_executable, user_environment
 
 NOISE = ("💡 Tip", "LeafSpec", "Initializing distributed", "All distributed processes registered",
          "Loading `train_dataloader` to estimate", "Optimal order is the largest alpha", "bos_token_id", "Traceback")  # fmt: skip

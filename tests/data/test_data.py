@@ -25,7 +25,7 @@ from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS, build_synthetic
 from dplit.data.tasks import QNLI, QQP, SST2, TASKS
 from dplit.data.text import TextDataModule, encode_rows
 from dplit.data.tokenizer import build_word_tokenizer, label_word_ids
-from tests.glue_files import (
+from tests.helpers.glue_files import (
     QNLI_HEADER,
     QNLI_ROWS,
     QQP_HEADER,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.executable import refusal_line, run_dplit, user_environment
+from tests.helpers.executable import refusal_line, run_dplit, user_environment
 from tests.helpers.paths import REPOSITORY
 
 CONFIGS = REPOSITORY / "configs"

@@ -7,7 +7,15 @@ from pathlib import Path
 
 import yaml
 
-from tests.glue_files import QNLI_HEADER, QNLI_ROWS, QQP_HEADER, QQP_ROWS, SST2_HEADER, SST2_ROWS, write_glue_task
+from tests.helpers.glue_files import (
+    QNLI_HEADER,
+    QNLI_ROWS,
+    QQP_HEADER,
+    QQP_ROWS,
+    SST2_HEADER,
+    SST2_ROWS,
+    write_glue_task,
+)
 
 CONFIGS = Path(__file__).parents[2] / "configs"
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from dplit.data.text import TextCollator, TextExample
 from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.ghost import GhostEngine
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.oracles import assert_close, check_against_oracles, run
 
 SMALL = {

@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import Callback
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import GPT2Classifier
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
 
 
 class BatchRecorder(Callback):

@@ -14,7 +14,7 @@ from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.privacy.clipping.norms import FactoredGradient
 from dplit.privacy.clipping.norms.factors import prefers_materialising
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 
 VOCAB = 50
 

@@ -22,7 +22,7 @@ from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.training_state import StateWriteGuard
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.fitting import fit, make_model
 
 # --- 1. noise that cannot be regenerated from the config -----------------------------------------------------------
@@ -336,7 +336,7 @@ def test_the_self_check_refusal_prints_no_norm_of_a_private_example() -> None:
 def test_the_self_check_runs_under_the_trainers_bf16_autocast(tmp_path: Path) -> None:
     from dplit.strategy import DPStrategy
     from dplit.tasks.classifier import GPT2Classifier
-    from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
+    from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, RandomTokenData
 
     autocast_seen: list[bool] = []
 

@@ -15,8 +15,8 @@ from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.settings import DPSGDSettings
 from dplit.tasks.classifier import GPT2Classifier
-from tests import brute_force
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
+from tests.helpers import brute_force
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
 pytestmark = pytest.mark.filterwarnings("ignore::dplit.privacy.warnings.PrivacyWarning")  # seeded, σ = 0
 C = 0.1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dplit.privacy.fingerprint import rows_fingerprint
-from tests.tiny import RandomTokens
+from tests.helpers.tiny import RandomTokens
 
 
 def test_the_same_rows_give_the_same_fingerprint_and_any_change_another() -> None:

@@ -24,10 +24,10 @@ from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
-from tests.executable import refusal_line, run_dplit
 from tests.helpers.commands import quickstart_args, steps
+from tests.helpers.executable import refusal_line, run_dplit
 from tests.helpers.fitting import fit, make_model
-from tests.tiny import RandomTokenData
+from tests.helpers.tiny import RandomTokenData
 
 TRAIN_SIZE, BATCH = 64, 16  # RandomTokenData's defaults
 Q = BATCH / TRAIN_SIZE

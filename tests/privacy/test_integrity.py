@@ -11,8 +11,8 @@ from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint
-from tests.executable import refusal_line, run_dplit
 from tests.helpers.commands import quickstart_args, steps
+from tests.helpers.executable import refusal_line, run_dplit
 
 SIGMA = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
 

@@ -20,10 +20,10 @@ from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
-from tests.executable import dplit_executable, user_environment
 from tests.helpers.commands import quickstart_args, steps
+from tests.helpers.executable import dplit_executable, user_environment
 from tests.helpers.fitting import CrashAtStep, fit, make_model
-from tests.tiny import RandomTokenData
+from tests.helpers.tiny import RandomTokenData
 
 
 def _ledger(folder: Path) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from dplit.privacy.ledger import LEDGER_FILE
 from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, positions_of
-from tests.executable import dplit_executable, refusal_line, run_dplit, user_environment
 from tests.helpers.commands import TINY, TINY_LLAMA, checkpoint_of, glue_args, lm_args, lora_on, quickstart_args, steps
+from tests.helpers.executable import dplit_executable, refusal_line, run_dplit, user_environment
 from tests.helpers.paths import REPOSITORY
 
 SST2_LORA = REPOSITORY / "configs" / "smollm2_sst2_lora.yaml"

@@ -27,8 +27,8 @@ from dplit.release.generate import (
     read_prompts,
     write_samples,
 )
-from tests.executable import dplit_executable, run_dplit, user_environment
 from tests.helpers.commands import checkpoint_of, lm_args
+from tests.helpers.executable import dplit_executable, run_dplit, user_environment
 
 PROMPTS = [{"prompt": "the movie is", "label": 1}, {"prompt": "this actress seems so very", "label": 0}]
 

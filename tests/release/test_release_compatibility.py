@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from tests.executable import run_dplit_in_process
+from tests.helpers.executable import run_dplit_in_process
 from tests.helpers.paths import REPOSITORY
 
 FIXTURES = REPOSITORY / "tests" / "fixtures" / "release-0.1.0"

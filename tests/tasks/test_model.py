@@ -10,7 +10,7 @@ import torch
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.data.tokenizer import load_tokenizer
 from dplit.tasks.classifier import GPT2Classifier
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
 
 def make_model(**kwargs: object) -> GPT2Classifier:

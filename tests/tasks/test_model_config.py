@@ -11,7 +11,7 @@ from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping import GhostEngine, PerExampleEngine
 from dplit.tasks.classifier import GPT2Classifier
 from tests.helpers.families import FAMILIES
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 
 
 def make_model(**kwargs: object) -> GPT2Classifier:

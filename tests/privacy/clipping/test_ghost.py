@@ -19,7 +19,7 @@ from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.privacy.clipping.norms import squared_norm
 from dplit.tasks.classifier import GPT2Classifier
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.oracles import (
     TINY,
     VOCAB,

@@ -30,7 +30,7 @@ from dplit.privacy.clipping.parameter_norms import (
     parameter_squared_norm,
     stacked_squared_norms,
 )
-from tests.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 
 DOUBLE = torch.float64
 

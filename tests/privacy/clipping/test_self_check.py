@@ -13,7 +13,7 @@ from dplit.privacy.clipping import GhostEngine
 from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.norms import NORM_RULES, ExampleGradient, NormRule
 from dplit.privacy.clipping.self_check import check_ghost_norms
-from tests.brute_force import gradient_norms, per_example_gradients
+from tests.helpers.brute_force import gradient_norms, per_example_gradients
 from tests.helpers.fitting import fit, make_model
 
 

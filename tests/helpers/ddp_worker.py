@@ -1,6 +1,6 @@
 """One rank of a two-process DPStrategy run on CPU (gloo), launched by tests/test_ddp.py through torchrun.
 
-``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/ddp_worker.py SPEC OUT`` runs every
+``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/helpers/ddp_worker.py SPEC OUT`` runs every
 scenario of the JSON list SPEC in order, in the same two processes, and saves what each rank saw to
 ``OUT/<name>.rank<r>.pt``: parameters before the fit, at train start, before every step and after the fit;
 the gradient every step applied; the dataset indices of every logical batch; the final optimizer state;
@@ -29,7 +29,7 @@ from dplit.audit.strategy import CanaryDPStrategy
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import GPT2Classifier
-from tests.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "barrier")
 TRAIN_SIZE, BATCH_SIZE = 64, 16
