@@ -11,7 +11,7 @@ import pytest
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
-CHECKED = ("dplit", "benchmarks", "tests")
+CHECKED = ("dplit", "bench", "tests")
 
 
 @pytest.mark.slow

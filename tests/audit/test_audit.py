@@ -278,7 +278,7 @@ def test_a_normal_run_runs_no_audit_code(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_audit_benchmark_runs_and_tabulates(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "benchmarks.audit", "--smoke", "--output", str(tmp_path)]
+    command = [sys.executable, "-m", "bench.audit", "--smoke", "--output", str(tmp_path)]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False, env=user_environment()
     )

@@ -1,6 +1,6 @@
 """Which code a study arm's numbers come from: a reviewed study code version, not the git history of dplit/.
 
-A study (:mod:`benchmarks.tying`) records each arm with a fingerprint, and a rerun skips every arm whose fingerprint
+A study (:mod:`bench.tying`) records each arm with a fingerprint, and a rerun skips every arm whose fingerprint
 is already recorded. Until format 2 the fingerprint's code part was "the last commit that changed dplit/ or
 configs/": a refactor that moves files and changes no number (issue 33) would have made every recorded arm look
 stale, and the study would have run the whole grid again. A fingerprint (:func:`fingerprint`, format 2) now holds:
@@ -16,7 +16,7 @@ stale, and the study would have run the whole grid again. A fingerprint (:func:`
 So moving or renaming modules and files (``dplit/...``, ``benchmarks/`` → ``bench/``, a class to another module, the
 configs to another folder), rewrapping a config and any change that alters no number keep every recorded arm; a
 changed config value, flag, class name or default of the study, or a bump of :data:`STUDY_CODE_VERSION`, runs them
-again. ``tests/benchmarks/test_tying_study.py`` replans every committed grid (``benchmarks/results/tying/**/results.json``) with
+again. ``tests/bench/test_tying_study.py`` replans every committed grid (``bench/results/tying/**/results.json``) with
 the current code and fails when a rerun would run any arm it recorded: a move that silently changed a fingerprint
 fails CI, and a deliberate bump must say what becomes of the committed grids.
 
@@ -24,7 +24,7 @@ Bump :data:`STUDY_CODE_VERSION` (to any new name: the date and the change, say) 
 arm computes for the same command: the DP-SGD step (Poisson sampling, clipping, the noise and the order it is drawn
 in, σ's calibration, accounting), the model, loss, label words or embedding policies, LoRA, data reading and
 tokenisation, the optimiser and its schedule, validation; or the library versions the arms run on. When unsure,
-rerun a recorded arm (``python -m benchmarks.tying --arms dp_tied --train-examples 160 --seeds 0 --epsilons 3 --out
+rerun a recorded arm (``python -m bench.tying --arms dp_tied --train-examples 160 --seeds 0 --epsilons 3 --out
 DIR``) and compare it with the recorded row: with common noise an arm is deterministic on the CPU, so its
 ``step_batch_sizes``, ``noise_multiplier``, ``epsilon_spent`` and ``val_acc`` must match exactly and its ``val_loss`` to
 float32 rounding (another CPU's kernels round differently).
@@ -41,13 +41,13 @@ import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from benchmarks.machine import ROOT
+from bench.machine import ROOT
 
 STUDY_CODE_VERSION = "e6006579a55e3cb5fcff3883e094ad616b2e3daf"
 """What the arms compute, by name: the code version every committed tying grid was recorded with.
 
 It is the commit e6006579 (the last commit that changed dplit/ or configs/ when the 187 arms of
-``benchmarks/results/tying/results.json`` ran: the code part of their format-1 fingerprints). The 27 commits to
+``bench/results/tying/results.json`` ran: the code part of their format-1 fingerprints). The 27 commits to
 dplit/ and configs/ between it and 8e73ecf add refusals, the privacy history, checkpoint integrity and messages; none
 changes what an arm computes (for weights without a history σ is calibrated as before). Checked by rerunning two
 recorded arms at 8e73ecf (DP tied and DP LoRA + untied, 160 rows, ε = 3, seed 0, on an AMD EPYC where the grid ran on

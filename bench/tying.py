@@ -1,10 +1,10 @@
 """Tied vs untied embeddings under DP-SGD on a real pretrained LM and task: SmolLM2-135M-Instruct on GLUE SST-2.
 
-    python -m benchmarks.tying --smoke        # tiny subset, 1 seed, 1 ε, 64 dev rows: a few minutes (a check)
-    python -m benchmarks.tying                # default CPU profile (see PROFILES): many hours, resumable
-    python -m benchmarks.tying --full         # the paper's recipe (all 67,349 rows, B=1000, 3 epochs): for a GPU
-    python -m benchmarks.tying --hub          # weights, tokenizer and GLUE from the Hugging Face hub
-    python -m benchmarks.tying --arms lora_tied lora_untied lora_frozen   # any subset of ARMS
+    python -m bench.tying --smoke        # tiny subset, 1 seed, 1 ε, 64 dev rows: a few minutes (a check)
+    python -m bench.tying                # default CPU profile (see PROFILES): many hours, resumable
+    python -m bench.tying --full         # the paper's recipe (all 67,349 rows, B=1000, 3 epochs): for a GPU
+    python -m bench.tying --hub          # weights, tokenizer and GLUE from the Hugging Face hub
+    python -m bench.tying --arms lora_tied lora_untied lora_frozen   # any subset of ARMS
 
 Arms (:data:`ARMS`), all with the same hyperparameters (expected batch, epochs, max_length, label words, seeds) and,
 for the DP arms, the same privacy budget; full fine-tuning at ``--lr``, LoRA at ``--lora-lr``:
@@ -22,19 +22,19 @@ for the DP arms, the same privacy budget; full fine-tuning at ``--lr``, LoRA at 
 
 The grid is every arm × ε × seed at every data scale (``--train-examples``: the FIRST N rows of SST-2's train.tsv),
 validated once after training on the whole GLUE dev split (872 rows unless ``--eval-examples``). Untied − tied is
-compared per seed (:mod:`benchmarks.study.paired`: mean, paired-t interval, sign test, verdict). Runs go in priority
+compared per seed (:mod:`bench.study.paired`: mean, paired-t interval, sign test, verdict). Runs go in priority
 order, ``--jobs`` at a time: full fine-tuning at each scale with its non-private reference, then LoRA.
 
 The study resumes: each arm is recorded in ``results.json`` as it ends, with a fingerprint: the reviewed study code
-version (:data:`benchmarks.study.version.STUDY_CODE_VERSION`, not the git history of ``dplit/``, so moving code keeps
+version (:data:`bench.study.version.STUDY_CODE_VERSION`, not the git history of ``dplit/``, so moving code keeps
 the grid), a digest of its config's content and its dplit command without this machine's paths (classes by name);
-:mod:`benchmarks.study.version` says what keeps and what invalidates a recorded arm. A rerun with the same settings
+:mod:`bench.study.version` says what keeps and what invalidates a recorded arm. A rerun with the same settings
 skips every arm already recorded with the same fingerprint and drops rows recorded under other settings or code
 (rows of an older format are migrated as they are read: :func:`migrate_record`). So the grid can span several
 sittings (``--fresh`` starts over). Each arm is ``dplit``'s own CLI in its own process
-(:mod:`benchmarks.study.arm`). ``results.json`` (every run, the summary, sittings, machine, commit), ``table.md`` and
-``chart.png`` go to ``--out`` (default ``benchmarks/results/tying/``); Lightning logs and each arm's output to
-``--logs`` (default ``benchmarks/out/tying/``, git-ignored).
+(:mod:`bench.study.arm`). ``results.json`` (every run, the summary, sittings, machine, commit), ``table.md`` and
+``chart.png`` go to ``--out`` (default ``bench/results/tying/``); Lightning logs and each arm's output to
+``--logs`` (default ``bench/out/tying/``, git-ignored).
 
 Default CPU profile (see PROFILES): 160 and 1,000 rows, expected batch 8, 1 epoch (20 and 125 optimizer steps),
 max_length 64 (no dev prompt is longer than 61 tokens), 10 seeds, ε ∈ {3, 8}, arms zero-shot, non-private, DP
@@ -59,15 +59,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.machine import git_info, machine_info  # noqa: E402
-from benchmarks.study import sst2  # noqa: E402
-from benchmarks.study.arm import install_stop_handlers, run_all  # noqa: E402
-from benchmarks.study.paired import paired_statistics, seeds_for_half_width  # noqa: E402
-from benchmarks.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json  # noqa: E402
-from benchmarks.study.version import (  # noqa: E402
+from bench.machine import git_info, machine_info
+from bench.study import sst2
+from bench.study.arm import install_stop_handlers, run_all
+from bench.study.paired import paired_statistics, seeds_for_half_width
+from bench.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json
+from bench.study.version import (
     STUDY_CODE_VERSION,
     config_digest,
     fingerprint,
@@ -108,7 +105,7 @@ GROUPS = (("dp_tied", "dp_untied"), ("lora_tied", "lora_untied", "lora_frozen"))
 COLORS = {"zero_shot": "#999999", "non_private": "#4c72b0", "dp_tied": "#dd8452", "dp_untied": "#55a868",
           "lora_tied": "#c44e52", "lora_untied": "#8172b3", "lora_frozen": "#937860"}
 
-GIT_PATHS = ("dplit", "configs", "benchmarks/tying.py", "benchmarks/study")
+GIT_PATHS = ("dplit", "configs", "bench/tying.py", "bench/study")
 """What the study's numbers depend on: uncommitted changes there are recorded."""
 NOISE_TEXT = {
     "common": ("common random numbers: both arms of a seed s run DPStrategy(seed=s), so they draw the same Poisson "
@@ -160,7 +157,7 @@ NUMERIC_SETTINGS = ("epochs", "batch_size", "lr", "lora_lr", "max_length", "eval
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The study's arguments, with the profile's values (``--smoke``, default, ``--full``) where none is given."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tying", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.tying", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--smoke", action="store_true", help="quick check: 32 train rows, 1 seed, ε=8, 64 dev rows")
@@ -202,9 +199,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fresh", action="store_true", help="ignore the arms already in --out's results.json")
     sst2.add_source_arguments(parser)
     parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default benchmarks/results/tying, .../tying/full with --full, "
-                             "benchmarks/out/tying/smoke/results with --smoke)")
-    parser.add_argument("--logs", type=Path, default=None, help="logs folder (default benchmarks/out/tying, ignored)")
+                        help="results folder (default bench/results/tying, .../tying/full with --full, "
+                             "bench/out/tying/smoke/results with --smoke)")
+    parser.add_argument("--logs", type=Path, default=None, help="logs folder (default bench/out/tying, ignored)")
     parser.add_argument("--dry-run", action="store_true", help="print each arm's dplit command and exit")
     args = parser.parse_args(argv)
     name = "smoke" if args.smoke else "full" if args.full else "default"
@@ -213,8 +210,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     args.train_examples = [n or None for n in dict.fromkeys(args.train_examples)]  # 0: all rows
-    args.logs = args.logs or ROOT / "benchmarks" / "out" / "tying" / name  # git-ignored
-    default_out = {"default": ROOT / "benchmarks" / "results" / "tying", "full": ROOT / "benchmarks" / "results" / "tying" /
+    args.logs = args.logs or ROOT / "bench" / "out" / "tying" / name  # git-ignored
+    default_out = {"default": ROOT / "bench" / "results" / "tying", "full": ROOT / "bench" / "results" / "tying" /
                    "full", "smoke": args.logs / "results"}[name]  # a smoke check's results stay out of git
     args.out = args.out or default_out
     for key in ("epochs", "batch_size", "max_length", "eval_batch_size", "physical_batch_size", "jobs",
@@ -301,7 +298,7 @@ def recorded_rows(earlier: dict[str, Any], key: dict[str, Any]) -> tuple[list[di
 def migrate_record(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """``record`` (a results.json) in the current format, and how many row fingerprints were migrated.
 
-    Row fingerprints of format 1 become format 2 (:func:`benchmarks.study.version.migrate_fingerprint`). A settings key
+    Row fingerprints of format 1 become format 2 (:func:`bench.study.version.migrate_fingerprint`). A settings key
     without ``noise`` comes from before ``--noise`` existed, when every DP arm drew its noise and batches from OS
     entropy: ``independent`` (its rows record ``"noise": "os_entropy"``). Nothing else (no number) changes.
     """
@@ -319,7 +316,7 @@ def migrate_record(record: dict[str, Any]) -> tuple[dict[str, Any], int]:
 
 
 def rerun_plan(record: dict[str, Any], argv: list[str], code: str = STUDY_CODE_VERSION) -> dict[str, list[str]]:
-    """What ``python -m benchmarks.tying ARGV`` would do with ``record`` as its results.json, at code version ``code``.
+    """What ``python -m bench.tying ARGV`` would do with ``record`` as its results.json, at code version ``code``.
 
     The names of the recorded rows it keeps (``kept``) and drops (``dropped``), of the runs it plans and finds
     recorded (``skip``) and of those it would run (``run``).
@@ -354,7 +351,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     """The ``dplit`` command line of one arm: its shipped SmolLM2 SST-2 config plus the study's overrides."""
     arm = ARMS[run["arm"]]
     command = ["fit" if arm.trains else "validate", "--config", arm.config, *sst2.source_overrides(sources)]
-    callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "benchmarks.study.arm.StepTimer"}]
+    callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "bench.study.arm.StepTimer"}]
     lr = run.get("lr") or (args.lora_lr if arm.lora else args.lr)
     command += [
         "--seed_everything", str(run["seed"]),
@@ -413,7 +410,7 @@ class Study:
     def fingerprint(self, run: dict[str, Any]) -> str:
         """The fingerprint of ``run``: the code version, its config's digest and its portable command.
 
-        Its log folder and the machine's paths are left out (:mod:`benchmarks.study.version`).
+        Its log folder and the machine's paths are left out (:mod:`bench.study.version`).
         """
         folder = self.args.logs / run["name"]
         command = portable_command(self.command(run, folder), {**self.replacements, str(folder): "<logs>"})
@@ -665,7 +662,7 @@ def new_results(args: argparse.Namespace, argv: list[str], sources: dict[str, An
                 holdout: dict[str, Any] | None = None) -> dict[str, Any]:
     """The study's record: earlier sittings' rows (same settings key) and this sitting's settings."""
     sitting = {"started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-               "command": "python -m benchmarks.tying " + shlex.join(argv), "machine": machine_info(),
+               "command": "python -m bench.tying " + shlex.join(argv), "machine": machine_info(),
                "git": git_info(*GIT_PATHS), "jobs": args.jobs, "threads": args.threads, "wall_s": 0.0, "arms_run": 0}
     sittings = (earlier or {}).get("sittings", []) if kept else []
     return {

@@ -1,6 +1,6 @@
 """Ratios, targets, the markdown table and the bar chart of a benchmark run (``results.json``).
 
-Re-render an existing run with ``python -m benchmarks.report benchmarks/results``.
+Re-render an existing run with ``python -m bench.report bench/results``.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def markdown(results: dict[str, Any]) -> str:
         "rank 8 on every projection, base weights frozen) in the same run.",
         "",
     ]
-    if results.get("complete") is False:  # results.json of a suite that was stopped (benchmarks.run writes it per row)
+    if results.get("complete") is False:  # results.json of a suite that was stopped (bench.run writes it per row)
         lines += [f"**Incomplete**: the suite stopped after {len(rows)} configuration(s); the rest were not measured.", ""]
     if any((r.get("others_share") or 0) > 0.15 for r in rows):
         lines += [

@@ -6,9 +6,9 @@ full batches, where a one-run audit has most power) and a tiny Llama LM (full ba
 Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/helpers/audit_mechanisms.py``):
 noise std halved, division by the realised batch size, a canary's clipping skipped, no clipping at all.
 
-Run:  python -m benchmarks.audit            (50 runs, about 11 minutes on 2 CPU cores)
-      python -m benchmarks.audit --smoke    (two tiny runs, seconds: checks the pipeline)
-Writes benchmarks/results/audit/{results.json,table.md}; each run's output goes to benchmarks/out/audit/.
+Run:  python -m bench.audit            (50 runs, about 11 minutes on 2 CPU cores)
+      python -m bench.audit --smoke    (two tiny runs, seconds: checks the pipeline)
+Writes bench/results/audit/{results.json,table.md}; each run's output goes to bench/out/audit/.
 """
 
 from __future__ import annotations
@@ -21,14 +21,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.study.arm import install_stop_handlers, run_process
+from bench.study.record import ROOT, git_info, machine_info, machine_line, relative, write_json
 
-from benchmarks.study.arm import install_stop_handlers, run_process
-from benchmarks.study.record import ROOT, git_info, machine_info, machine_line, relative, write_json
-
-OUTPUT = ROOT / "benchmarks" / "results" / "audit"
-LOGS = ROOT / "benchmarks" / "out" / "audit"
+OUTPUT = ROOT / "bench" / "results" / "audit"
+LOGS = ROOT / "bench" / "out" / "audit"
 """Each run's output (git-ignored), beside the committed results."""
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 MODES = ("white_box", "black_box")

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import child_environment
-from benchmarks.study.record import ROOT, relative, version
+from bench.machine import child_environment
+from bench.study.record import ROOT, relative, version
 
 HUB_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_DIR = "smollm2-135m-instruct"
@@ -142,7 +142,7 @@ def prepare_checkpoint(args: argparse.Namespace, sources: dict[str, Any]) -> dic
         spec = {"folder": sources["pretrained"], "gguf_file": sources["gguf_file"], "cache": str(cache),
                 "data_dir": str(sources["data_dir"]) if sources["data_dir"] else None, "stamp": stamp,
                 "max_length": args.max_length, "train_examples": 5000}
-        done = subprocess.run([sys.executable, "-m", "benchmarks.study.sst2", json.dumps(spec)], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "bench.study.sst2", json.dumps(spec)], cwd=ROOT,
                               env=child_environment(args.threads), capture_output=True, text=True, check=False)
         if done.returncode != 0 or not stamp_path.is_file():
             tail = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-5:]

@@ -1,9 +1,9 @@
 """Run the benchmark suite: every configuration in its own process, then results.json, table.md, chart.png.
 
-    python -m benchmarks.run --quick              # tiny model, B=8, T=128: a few minutes on 2 CPU cores
-    python -m benchmarks.run                      # GPT-2 and DistilGPT-2 size, B in {8, 16}, T=128 (hours on CPU)
-    python -m benchmarks.run --models gpt2 --batch-sizes 16     # the size the targets are stated for
-    python -m benchmarks.run --models smollm2 --batch-sizes 16 --seq-len 64   # SmolLM2-135M's shape -> results/smollm2
+    python -m bench.run --quick              # tiny model, B=8, T=128: a few minutes on 2 CPU cores
+    python -m bench.run                      # GPT-2 and DistilGPT-2 size, B in {8, 16}, T=128 (hours on CPU)
+    python -m bench.run --models gpt2 --batch-sizes 16     # the size the targets are stated for
+    python -m bench.run --models smollm2 --batch-sizes 16 --seq-len 64   # SmolLM2-135M's shape -> results/smollm2
 
 Configurations (``method:policy``), all on the same random-init label-word CausalLMClassifier, batch and length:
 non-private (tied and untied, the baselines of the ratios), dplit ghost (untied, tied), dplit per-example tied
@@ -26,12 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import report  # noqa: E402
-from benchmarks.machine import child_environment, git_info, machine_info  # noqa: E402
-from benchmarks.step import MODELS, PRECISIONS, cpu_jiffies  # noqa: E402
+from bench import report
+from bench.machine import child_environment, git_info, machine_info
+from bench.step import MODELS, PRECISIONS, cpu_jiffies
 
 ROOT = Path(__file__).resolve().parent.parent
 BUSY = 0.15
@@ -92,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
     parser.add_argument("--out", type=Path, default=None,
-                        help="results folder (default benchmarks/results/quick with --quick, else benchmarks/results)")
+                        help="results folder (default bench/results/quick with --quick, else bench/results)")
     parser.add_argument("--append", action="store_true",
                         help="keep rows of other configurations already in OUT/results.json (same machine)")
     parser.add_argument("--wait-idle", type=float, default=0.0, metavar="SECONDS",
@@ -102,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"rerun a configuration (up to this many times, after waiting for idle CPUs) when other "
                              f"processes used more than {BUSY * 100:.0f}%% of the CPUs during its timed steps; the least "
                              "disturbed attempt is kept")
-    parser.add_argument("--logs", type=Path, default=ROOT / "benchmarks" / "out" / "logs",
+    parser.add_argument("--logs", type=Path, default=ROOT / "bench" / "out" / "logs",
                         help="each configuration's stdout/stderr goes here (git-ignored)")
     args = parser.parse_args(argv)
     args.models = args.models or (["tiny"] if args.quick else ["gpt2", "distilgpt2"])
@@ -113,7 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
     folder = "lora" if args.lora else "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
     args.configs = args.configs or list(LORA_CONFIGS if args.lora else DEFAULT_CONFIGS)
-    args.out = args.out or ROOT / "benchmarks" / "results" / folder
+    args.out = args.out or ROOT / "bench" / "results" / folder
     configs = []
     for config in args.configs:
         method, _, policy = config.partition(":")
@@ -158,7 +155,7 @@ def run_one(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [
-            sys.executable, "-m", "benchmarks.step", "--method", method, "--policy", policy, "--model", model,
+            sys.executable, "-m", "bench.step", "--method", method, "--policy", policy, "--model", model,
             "--batch-size", str(batch), "--seq-len", str(args.seq_len), "--warmup", str(args.warmup), "--task", args.task,
             "--steps", str(args.steps), "--sigma", str(args.sigma), "--max-grad-norm", str(args.max_grad_norm),
             "--device", args.device, "--threads", str(args.threads),
@@ -235,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     other processes kept the CPUs busy is retried up to ``--retries`` times, keeping the quieter measurement.
     """
     args = parse_args(argv)
-    command = "python -m benchmarks.run " + shlex.join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.run " + shlex.join(argv if argv is not None else sys.argv[1:])
     machine = machine_info(threads=args.threads, device=args.device)
     git_at_start = git_info("dplit")  # the dplit that the configurations import (re-checked at the end)
     print(f"machine: {report.machine_line(machine)}", flush=True)

@@ -1,6 +1,6 @@
 """What every study records beside its numbers.
 
-Machine and commit (:mod:`benchmarks.machine`), mean ± std, and results written atomically.
+Machine and commit (:mod:`bench.machine`), mean ± std, and results written atomically.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import ROOT, git_info, machine_info, version
+from bench.machine import ROOT, git_info, machine_info, version
 
 __all__ = ["ROOT", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus", "relative", "version",
            "write_json"]

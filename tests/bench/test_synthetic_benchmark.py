@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.synthetic import (
+from bench.synthetic import (
     CONTROL_PROMPTS,
     classifier_args,
     describe_synthetic,
@@ -158,15 +158,15 @@ def test_the_pipelines_commands_mean_what_the_study_says_to_dplits_parsers(tmp_p
 
 
 def test_every_benchmark_and_study_records_the_machine_and_commit_and_starts_children_with_one_function() -> None:
-    import benchmarks.audit
-    import benchmarks.run
-    import benchmarks.tying
-    from benchmarks import machine, synthetic
-    from benchmarks.study import arm, record, sst2
+    import bench.audit
+    import bench.run
+    import bench.tying
+    from bench import machine, synthetic
+    from bench.study import arm, record, sst2
 
-    for module in (benchmarks.run, synthetic, benchmarks.tying, benchmarks.audit, record):
+    for module in (bench.run, synthetic, bench.tying, bench.audit, record):
         assert module.machine_info is machine.machine_info and module.git_info is machine.git_info, module.__name__
-    for module in (benchmarks.run, arm, sst2):
+    for module in (bench.run, arm, sst2):
         assert module.child_environment is machine.child_environment, module.__name__
     git = machine.git_info("dplit")
     assert set(git) == {"commit", "uncommitted_changes", "describe"} and git["describe"].startswith(git["commit"][:12])

@@ -17,17 +17,17 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from benchmarks.machine import child_environment
-from benchmarks.study import sst2
-from benchmarks.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
-from benchmarks.study.version import (
+from bench.machine import child_environment
+from bench.study import sst2
+from bench.study.paired import VERDICTS, paired_statistics, seeds_for_half_width, sign_test
+from bench.study.version import (
     STUDY_CODE_VERSION,
     config_digest,
     migrate_fingerprint,
     portable_command,
     study_code_version,
 )
-from benchmarks.tying import (
+from bench.tying import (
     ARMS,
     Study,
     chosen_lr,
@@ -258,7 +258,7 @@ def test_the_code_version_is_the_reviewed_one_whatever_was_committed_plus_uncomm
     assert study_code_version(tmp_path) == STUDY_CODE_VERSION
 
 
-COMMITTED = ROOT / "benchmarks" / "results" / "tying"
+COMMITTED = ROOT / "bench" / "results" / "tying"
 GRIDS = [
     ("results.json", [], True),
     ("lora-lr5e-4/results.json", ["--arms", "lora_tied", "lora_untied", "--train-examples", "160", "--lora-lr", "5e-4"],
@@ -275,7 +275,7 @@ def test_every_arm_of_a_committed_grid_is_still_recorded_for_the_current_code(
     """A rerun with the command of every sitting skips each recorded arm and, for a complete grid, runs nothing.
 
     This fails when a change alters a recorded arm's fingerprint: if its numbers did not change (a move, a rename), the
-    fingerprint must not either (benchmarks/study/version.py); if they did, bump STUDY_CODE_VERSION and decide here
+    fingerprint must not either (bench/study/version.py); if they did, bump STUDY_CODE_VERSION and decide here
     what becomes of the committed grid (rerun it, or keep it as the record of an older code version).
     """
     record = json.loads((COMMITTED / path).read_text())
@@ -337,17 +337,17 @@ def tiny_pretrained(tmp_path: Path, tiny_bpe_dir: Path) -> Path:
 
 
 def checkout_copy(folder: Path) -> Path:
-    """This working tree's dplit/, configs/ and benchmarks/ (its results and outputs left out) in ``folder``.
+    """This working tree's dplit/, configs/ and bench/ (its results and outputs left out) in ``folder``.
 
     The study runs there, so its three sittings run the same code even while dplit/ changes in a shared checkout (the
     code version holds uncommitted changes: an edit between two sittings drops the recorded rows, as it should).
     """
 
     def ignore(directory: str, names: list[str]) -> list[str]:
-        top = Path(directory) == ROOT / "benchmarks"
+        top = Path(directory) == ROOT / "bench"
         return [name for name in names if name == "__pycache__" or (top and name in ("results", "out"))]
 
-    for name in ("dplit", "configs", "benchmarks"):
+    for name in ("dplit", "configs", "bench"):
         shutil.copytree(ROOT / name, folder / name, ignore=ignore)
     return folder
 
@@ -356,7 +356,7 @@ def study(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProce
     checkout = tmp_path / "checkout"
     if not checkout.is_dir():
         checkout_copy(checkout)
-    command = [sys.executable, "-m", "benchmarks.tying", "--pretrained", str(model), "--data-dir",
+    command = [sys.executable, "-m", "bench.tying", "--pretrained", str(model), "--data-dir",
                str(tmp_path / "sst2"), "--train-examples", "16", "--batch-size", "8", "--epsilons", "8",
                "--arms", "dp_tied", "dp_untied", "non_private", "--sweep-lrs", "0.001", "0.01",
                "--holdout-rows", "16", "--reference-seeds", "1", "--eval-batch-size", "16", "--max-length", "32",

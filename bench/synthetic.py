@@ -3,10 +3,10 @@
 Private SST-2 rows → a DP language model → labelled synthetic reviews → a NON-private classifier trained on the
 synthetic rows only → accuracy on the real SST-2 dev set.
 
-    python -m benchmarks.synthetic --smoke     # 32 private rows, 1 ε, 64 dev rows: a few minutes (a check)
-    python -m benchmarks.synthetic             # default CPU profile (see PROFILES): under an hour on 2 CPU cores
-    python -m benchmarks.synthetic --full      # all 67,349 rows, LM batch and lr of configs/smollm2_lm.yaml: a GPU
-    python -m benchmarks.synthetic --hub --data-dir DIR   # weights and tokenizer from the hub, SST-2 TSVs from DIR
+    python -m bench.synthetic --smoke     # 32 private rows, 1 ε, 64 dev rows: a few minutes (a check)
+    python -m bench.synthetic             # default CPU profile (see PROFILES): under an hour on 2 CPU cores
+    python -m bench.synthetic --full      # all 67,349 rows, LM batch and lr of configs/smollm2_lm.yaml: a GPU
+    python -m bench.synthetic --hub --data-dir DIR   # weights and tokenizer from the hub, SST-2 TSVs from DIR
 
 For each ε and seed the pipeline runs dplit's own commands, each in its own process:
 
@@ -19,7 +19,7 @@ For each ε and seed the pipeline runs dplit's own commands, each in its own pro
    shipped ``configs/smollm2_sst2_tied.yaml`` classifier, validated on the real dev split.
 
 Beside it, with the same rows, ε and seed: the DP classifier trained directly on the private rows (the tying study's
-``dp_tied`` arm, :mod:`benchmarks.tying`), the zero-shot classifier, and the control: steps 3-4 from the pretrained
+``dp_tied`` arm, :mod:`bench.tying`), the zero-shot classifier, and the control: steps 3-4 from the pretrained
 model itself (no private row read), which shows what the DP fine-tuning added. The synthetic set is also described: its
 size and label balance, distinct-1/2/3 (distinct n-grams over all n-grams, lower-cased words), and the share of its
 8-grams found verbatim in the private training rows, beside the same share for real held-out SST-2 rows (what
@@ -33,7 +33,7 @@ Everything reads only the first ``--train-examples`` rows of SST-2's train.tsv (
 whole split private, as in ``--full``, its last rows, so then only a training-fit monitor); the dev split is only
 the final evaluation. The pipeline reads SST-2 from local TSVs (``$DPLIT_DATA_DIR``, ``--data-root`` or
 ``--data-dir``); the pretrained control needs a local model folder (it is left out, saying why, otherwise). ``results.json``, ``table.md`` go to ``--out`` (default
-``benchmarks/results/synthetic/``), logs, checkpoints, exports and synthetic sets to ``--logs`` (git-ignored).
+``bench/results/synthetic/``), logs, checkpoints, exports and synthetic sets to ``--logs`` (git-ignored).
 """
 
 from __future__ import annotations
@@ -51,20 +51,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a file: make this checkout's `benchmarks` win over opacus' top-level one
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import tying  # noqa: E402
-from benchmarks.machine import git_info, machine_info  # noqa: E402
-from benchmarks.study import sst2  # noqa: E402
-from benchmarks.study.arm import install_stop_handlers, run_arm, run_process  # noqa: E402
-from benchmarks.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json  # noqa: E402
+from bench import tying
+from bench.machine import git_info, machine_info
+from bench.study import sst2
+from bench.study.arm import install_stop_handlers, run_arm, run_process
+from bench.study.record import ROOT, machine_line, mean_std, plus_minus, relative, write_json
 
 LM_CONFIG = "configs/smollm2_lm.yaml"
 CONTROL_PROMPTS = {"0": "Write a negative movie review:\n", "1": "Write a positive movie review:\n"}
 """The public control string of each SST-2 label: the LM's prompt in training and in generation."""
 OVERLAP_N = 8
-GIT_PATHS = ("dplit", "configs", "benchmarks/synthetic.py", "benchmarks/tying.py", "benchmarks/study")
+GIT_PATHS = ("dplit", "configs", "bench/synthetic.py", "bench/tying.py", "bench/study")
 
 PROFILES: dict[str, dict[str, Any]] = {
     # 2 shared CPU cores, 1 torch thread per process: 20 DP steps of each DP model per ε, 320 synthetic rows.
@@ -105,7 +102,7 @@ PROFILES: dict[str, dict[str, Any]] = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The pipeline's arguments, with the profile's values (``--smoke``, default, ``--full``) where none is given."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.synthetic", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.synthetic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     profile = parser.add_mutually_exclusive_group()
     profile.add_argument("--smoke", action="store_true", help="quick check: 32 private rows, ε=8, 64 dev rows")
@@ -145,8 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     group.add_argument("--timeout", type=float, help="seconds per process before it is killed")
     group.add_argument("--threads", type=int, help="torch threads per process (0: torch's default)")
     sst2.add_source_arguments(parser)
-    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results/synthetic[/full])")
-    parser.add_argument("--logs", type=Path, help="logs folder (default benchmarks/out/synthetic/<profile>)")
+    parser.add_argument("--out", type=Path, help="results folder (default bench/results/synthetic[/full])")
+    parser.add_argument("--logs", type=Path, help="logs folder (default bench/out/synthetic/<profile>)")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (arm, ε, seed) and exit")
     args = parser.parse_args(argv)
     args.profile = "smoke" if args.smoke else "full" if args.full else "default"
@@ -155,9 +152,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.train_examples == 0:
         args.train_examples = None
-    args.logs = args.logs or ROOT / "benchmarks" / "out" / "synthetic" / args.profile
-    args.out = args.out or {"default": ROOT / "benchmarks" / "results" / "synthetic",
-                            "full": ROOT / "benchmarks" / "results" / "synthetic" / "full",
+    args.logs = args.logs or ROOT / "bench" / "out" / "synthetic" / args.profile
+    args.out = args.out or {"default": ROOT / "bench" / "results" / "synthetic",
+                            "full": ROOT / "bench" / "results" / "synthetic" / "full",
                             "smoke": args.logs / "results"}[args.profile]
     for key in ("epochs", "batch_size", "lm_epochs", "lm_batch_size", "lm_max_length", "synthetic_per_label",
                 "max_new_tokens", "generate_batch_size", "synthetic_epochs", "synthetic_batch_size", "max_length",
@@ -587,7 +584,7 @@ def main(argv: list[str] | None = None) -> None:
     files = prepare_files(args, sources)
     results: dict[str, Any] = {
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "command": " ".join(["python -m benchmarks.synthetic", *map(shlex.quote, argv)]),
+        "command": " ".join(["python -m bench.synthetic", *map(shlex.quote, argv)]),
         "machine": machine_info(), "git": git_info(*GIT_PATHS),
         "sources": {k: (str(v) if isinstance(v, Path) else v) for k, v in sources.items()},
         "settings": {k: getattr(args, k) for k in PROFILES["default"]} | {"profile": args.profile,

@@ -1,7 +1,7 @@
 """What every benchmark and study records about where it ran, and how it starts its child processes.
 
-One copy for ``benchmarks.run`` (the step-time suite) and the studies (``benchmarks.tying``, ``benchmarks.synthetic``,
-``benchmarks.audit``): :func:`machine_info` (CPU, memory, GPU, package versions; with ``threads`` also what torch sees
+One copy for ``bench.run`` (the step-time suite) and the studies (``bench.tying``, ``bench.synthetic``,
+``bench.audit``): :func:`machine_info` (CPU, memory, GPU, package versions; with ``threads`` also what torch sees
 in a throwaway child), :func:`git_info` (the commit and the uncommitted changes under the paths the numbers depend
 on) and :func:`child_environment` (the environment of a measured child process). Standard library only: a study's
 parent process never imports torch.
@@ -142,7 +142,10 @@ def git_info(*paths: str) -> dict[str, Any]:
 
 
 def child_environment(threads: int = 0) -> dict[str, str]:
-    """This environment with the checkout first on PYTHONPATH (opacus 1.6 installs a top-level ``benchmarks``).
+    """This environment for a child started as ``python -m ...`` with the repository root as its working directory.
+
+    The root is then the first entry of the child's ``sys.path``, so ``bench`` and ``tests.helpers`` import from this
+    checkout with nothing added to PYTHONPATH.
 
     With ``threads`` > 0 also OMP_NUM_THREADS: Lightning's DDP-based strategies (DPStrategy is one) otherwise reset
     torch's thread count to cpu_count // processes on CPU, whatever ``torch.set_num_threads`` said before.
@@ -151,11 +154,9 @@ def child_environment(threads: int = 0) -> dict[str, str]:
     ``--jobs``), or started from a process that already ran one (Lightning exports MASTER_PORT), would otherwise
     bind one port.
     """
-    paths = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
     environment = {
         **inherited,
-        "PYTHONPATH": os.pathsep.join(paths),
         "PYTHONUNBUFFERED": "1",
         "MASTER_PORT": str(free_port()),
     }

@@ -1,4 +1,4 @@
-"""Time and measure ONE benchmark configuration in this process (``benchmarks.run`` starts one process each).
+"""Time and measure ONE benchmark configuration in this process (``bench.run`` starts one process each).
 
 A configuration is (method, embedding policy, model size, batch size B, sequence length T). Every method trains
 the same randomly initialised CausalLMClassifier (GPT-2 sizes, or ``smollm2``: a Llama of SmolLM2-135M's
@@ -22,7 +22,7 @@ engine or opacus wrapper built, before the first step), and ``status`` ok / refu
 
 Run directly for one configuration, e.g.::
 
-    python -m benchmarks.step --method dplit_ghost --policy tied --model tiny --batch-size 8 --out /tmp/r.json
+    python -m bench.step --method dplit_ghost --policy tied --model tiny --batch-size 8 --out /tmp/r.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One arm of a study: ``dplit`` with a shipped config and overrides, in its own process, measured.
 
-The parent calls :func:`run_arm`; the child (``python -m benchmarks.study.arm SPEC``) runs dplit's own CLI
+The parent calls :func:`run_arm`; the child (``python -m bench.study.arm SPEC``) runs dplit's own CLI
 (``dplit.cli.lightning_cli.run_cli``), validates once after training, and writes what it measured (validation accuracy, ε spent,
 steps, σ, step times from :class:`StepTimer`, peak memory, trainable parameters by kind) as JSON.
 """
@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from benchmarks.machine import child_environment
-from benchmarks.study.record import ROOT, relative
+from bench.machine import child_environment
+from bench.study.record import ROOT, relative
 
 try:
     from lightning.pytorch import Callback as _Callback
@@ -240,7 +240,7 @@ def run_arm(name: str, argv: list[str], arm_dir: Path, *, threads: int, timeout:
     result_path = arm_dir / "result.json"
     result_path.unlink(missing_ok=True)
     spec = json.dumps({"args": argv, "result": str(result_path), "threads": threads})
-    command = [sys.executable, "-m", "benchmarks.study.arm", spec]
+    command = [sys.executable, "-m", "bench.study.arm", spec]
     log_path = arm_dir / "output.log"
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
