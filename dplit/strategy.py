@@ -2,40 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any, Literal
 
-import torch
 import torch.distributed as dist
-from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor, nn
-from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dplit.privacy.accounting import Mechanism, PrivacyAccountant
-from dplit.privacy.clipping.engine import Batch, ClippingEngine
-from dplit.privacy.dpsgd import DPSGD, NO_NOISE_WARNING, clipping_engine
-from dplit.privacy.integrity import check_digests, record_digest
-from dplit.privacy.ledger import CHECKPOINT_KEY
-from dplit.privacy.noise import NoiseSource
+from dplit.interrupted_run import INTERRUPT_CHECKPOINT
+from dplit.privacy.accounting import Mechanism
+from dplit.privacy.dpsgd import NO_NOISE_WARNING
 from dplit.privacy.settings import DPSGDSettings
-from dplit.privacy.warnings import PrivacyWarning
-from dplit.privacy.world import ProcessGroup, SingleProcess, World
-from dplit.step_logging import log_clipping, log_spend
-from dplit.strategy_checks import check_module, check_trainer, checkpoint_folder
+from dplit.privacy.world import ProcessGroup, SingleProcess
+from dplit.strategy_hooks import DPSGDHooks
 
 __all__ = ["INTERRUPT_CHECKPOINT", "NO_NOISE_WARNING", "DPStrategy"]
 
-INTERRUPT_CHECKPOINT = "interrupted.ckpt"
-"""Saved in the run's ``checkpoints/`` folder, with the ledger, when training is interrupted or crashes."""
 
-
-class DPStrategy(DDPStrategy):
+class DPStrategy(DPSGDHooks, DDPStrategy):
     """DP-SGD on one or many devices: one Lightning optimizer step is one :class:`~dplit.privacy.dpsgd.DPSGD` step.
 
     A Poisson logical batch (expected size = the loader's ``batch_size``, over all devices) is clipped in
@@ -69,54 +52,12 @@ class DPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.settings = DPSGDSettings(
+        self.init_dpsgd(DPSGDSettings(
             max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
             max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
             allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
-        )  # fmt: skip
-        self.noise_source = NoiseSource(seed=seed)
-        self._dpsgd: DPSGD | None = None
-        self._restored: dict[str, Any] | None = None
-        self._resumed_from: Path | None = None
-        self._interrupt_path: Path | None = None
-
-    @property
-    def dpsgd(self) -> DPSGD:
-        """The DP-SGD mechanism (built at setup, for the module being trained)."""
-        if self._dpsgd is None:
-            raise RuntimeError("DPStrategy builds its DP-SGD mechanism at setup")
-        return self._dpsgd
-
-    @property
-    def max_grad_norm(self) -> float:
-        """The per-example clipping bound C."""
-        return self.settings.max_grad_norm
-
-    @property
-    def noise_multiplier(self) -> float | None:
-        """σ in use (calibrated from ``target_epsilon`` once training starts)."""
-        return self._dpsgd.noise_multiplier if self._dpsgd is not None else self.settings.noise_multiplier
-
-    @property
-    def accountant(self) -> PrivacyAccountant | None:
-        """The run's accountant (``None`` before training starts)."""
-        return self._dpsgd.accountant if self._dpsgd is not None else None
-
-    @property
-    def private_diagnostics(self) -> bool:
-        """Whether diagnostics computed from the private batches without noise are logged."""
-        return self.settings.private_diagnostics
-
-    def make_clipping_engine(self, module: nn.Module) -> ClippingEngine:
-        """The clipping engine for ``module`` (``settings.clipping``); an audit's broken mechanism may replace it."""
-        return clipping_engine(module, self.settings)
-
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        check_trainer(trainer, self.precision_plugin, planned=self.settings.target_epsilon is not None)
-        check_module(self.lightning_module)
-        super().setup(trainer)
+        ))  # fmt: skip
 
     @override
     def configure_ddp(self) -> None:
@@ -127,114 +68,4 @@ class DPStrategy(DDPStrategy):
         if self.world_size > 1:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
-        module = self.lightning_module
-        world: World = ProcessGroup(device=self.root_device) if self.world_size > 1 else SingleProcess()
-        self._dpsgd = DPSGD(
-            module, self.settings, history=module.privacy_history, noise_source=self.noise_source, world=world,
-            engine=self.make_clipping_engine(module),
-        )  # fmt: skip
-        if self._restored is not None:
-            self._dpsgd.load_state_dict(self._restored)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """Replace the training loader's sampler by Poisson sampling at rate q = batch_size / N."""
-        stage = self.lightning_module.trainer.state.stage
-        if stage != RunningStage.TRAINING or not isinstance(dataloader, DataLoader):
-            return dataloader
-        return self.dpsgd.sample(dataloader)
-
-    @override
-    def on_train_start(self) -> None:
-        """Start the DP-SGD run (σ, δ, ledger, budget); stop at once if the budget is already spent."""
-        super().on_train_start()
-        trainer = self.lightning_module.trainer
-        if self.dpsgd.sample_rate is None:
-            raise RuntimeError("DPStrategy did not see the training dataloader")
-        log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
-        spent = self.dpsgd.start(
-            planned_steps=trainer.estimated_stepping_batches, steps_done=trainer.global_step, log_dir=log_dir,
-            resumed_from=self._resumed_from,
-        )  # fmt: skip
-        self._interrupt_path = checkpoint_folder(trainer, log_dir) / INTERRUPT_CHECKPOINT
-        trainer.should_stop = trainer.should_stop or spent
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
-        """Clip every example of the logical batch into the DP-SGD gradient buffer (the backward happens here)."""
-        batch: Batch = args[0]
-        with self.precision_plugin.train_step_context():
-            stats = self.dpsgd.clip(self.lightning_module.per_example_loss, batch)
-        if stats.losses.numel() == 0:
-            return torch.zeros((), device=self.root_device)
-        if not self.settings.private_diagnostics:
-            return stats.losses.float().mean()
-        return log_clipping(self.lightning_module, stats.losses, stats.norms, self.settings.max_grad_norm)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """No-op: DP-SGD's clipping already ran the backward pass inside ``training_step``."""
-        return closure_loss
-
-    @override
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:  # fmt: skip
-        """Run the clipping closure, release the noisy gradient, then let the optimizer step."""
-
-        def private_closure() -> Any:
-            result = closure()
-            stop = self.dpsgd.release()
-            log_spend(self.lightning_module, self.dpsgd)
-            trainer = self.lightning_module.trainer
-            trainer.should_stop = trainer.should_stop or stop
-            return result
-
-        return super().optimizer_step(optimizer, private_closure, model, **kwargs)
-
-    @override
-    def on_train_end(self) -> None:
-        """Bring the ledger's ε up to date."""
-        super().on_train_end()
-        if self._dpsgd is not None:
-            self._dpsgd.finish()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Save ``checkpoints/interrupted.ckpt`` with the ledger when steps taken since the start would be lost."""
-        super().on_exception(exception)
-        if self._dpsgd is None or self._dpsgd.accountant is None or self._interrupt_path is None:
-            return
-        self._dpsgd.finish()
-        if self._dpsgd.steps_this_run == 0:
-            return
-        if self.world_size > 1 and not isinstance(exception, KeyboardInterrupt):
-            return  # the other ranks may be inside a collective: privacy_ledger.json is current, no checkpoint
-        self.lightning_module.trainer.save_checkpoint(self._interrupt_path)
-        rank_zero_warn(
-            f"DP-SGD: training stopped by {type(exception).__name__} after {self._dpsgd.steps} DP steps; saved "
-            f"{self._interrupt_path} with the privacy ledger (resume with --ckpt_path {self._interrupt_path})",
-            category=PrivacyWarning,
-        )
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Save the checkpoint with the privacy ledger inside, sealed with its digest."""
-        if self._dpsgd is not None and self._dpsgd.accountant is not None:
-            checkpoint[CHECKPOINT_KEY] = self._dpsgd.state_dict()
-            record_digest(checkpoint, CHECKPOINT_KEY)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load a checkpoint (refusing one changed since dplit sealed it) and keep its ledger, so ε continues."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        check_digests(checkpoint, source=f"--ckpt_path {checkpoint_path}")
-        if CHECKPOINT_KEY in checkpoint:
-            self._restored, self._resumed_from = checkpoint[CHECKPOINT_KEY], Path(checkpoint_path)
-            if self._dpsgd is not None:
-                self._dpsgd.load_state_dict(self._restored)
-        elif self.lightning_module is not None and self.lightning_module.trainer.state.fn == "fit":
-            raise ValueError(f"{checkpoint_path} has no privacy ledger: it was not saved by DPStrategy")
-        return checkpoint
+        self.build_dpsgd(ProcessGroup(device=self.root_device) if self.world_size > 1 else SingleProcess())

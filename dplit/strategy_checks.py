@@ -1,8 +1,6 @@
-"""What DPStrategy refuses in a Trainer before any data is read (one line each, naming the flag), and where it saves."""
+"""What DPStrategy refuses in a Trainer before any data is read (one line each, naming the flag)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -64,9 +62,3 @@ def check_module(module: LightningModule) -> None:
     if not module.automatic_optimization:
         raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
 
-
-def checkpoint_folder(trainer: Trainer, log_dir: str | None) -> Path:
-    """Where the run's checkpoints go: its ``ModelCheckpoint``'s folder, else ``<log_dir>/checkpoints``."""
-    callback = trainer.checkpoint_callback
-    folder = getattr(callback, "dirpath", None)
-    return Path(folder) if folder else Path(log_dir or trainer.default_root_dir) / "checkpoints"
