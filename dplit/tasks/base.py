@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import math
 import tempfile
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
@@ -17,7 +19,13 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
-from dplit.backbone.adapters import apply_adapters, set_embeddings_trainable, trainable_counts
+from dplit.backbone.adapters import (
+    AdapterConfig,
+    adapter_hyperparameter,
+    apply_adapters,
+    set_embeddings_trainable,
+    trainable_counts,
+)
 from dplit.backbone.causal_lm import build_causal_lm
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
@@ -33,37 +41,74 @@ TOKENIZER_KEY = "dplit_tokenizer"
 """The checkpoint entry holding the data's tokenizer as its ``save_pretrained`` files (name → bytes)."""
 
 
-class CausalLMModule(LightningModule):
+class CausalLMModule(LightningModule, ABC):
     """A causal LM backbone with an embedding policy, trained by AdamW with linear warm-up and decay.
 
-    Subclasses call :meth:`build_backbone` in ``__init__`` (after ``save_hyperparameters``, whose names the
-    optimizer reads: ``lr``, ``weight_decay``, ``betas``, ``warmup_steps``, ``lr_schedule``) and define
-    ``per_example_loss(batch) -> Tensor[B]``, the loss DPStrategy clips example by example.
+    The arguments below are every task's: a task subclass takes its own (keyword) arguments and ``**kwargs``,
+    which it passes on with ``super().__init__(**kwargs)``. The CLI follows ``**kwargs`` here for the ``--model.*``
+    flags and their help, and ``save_hyperparameters`` collects the arguments of both ``__init__``. The subclass
+    then adds its layers, calls :meth:`apply_freeze` (``freeze`` may name those layers) and defines
+    :meth:`per_example_loss`, the loss DPStrategy clips example by example.
+
+    Args:
+        pretrained: hub name (``"gpt2"``, ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, ``"Qwen/Qwen2.5-0.5B"``) or
+            local folder of any checkpoint ``transformers.AutoModelForCausalLM`` loads.
+        gguf_file: a GGUF checkpoint file inside the ``pretrained`` folder (needs the ``gguf`` package).
+        config: keyword arguments of a model config for a randomly initialised backbone (tests, quickstart),
+            with its ``model_type`` (``"gpt2"`` when absent, e.g. ``{model_type: llama, hidden_size: 32, ...}``).
+            Set exactly one of ``pretrained`` and ``config``. A key the family's config class does not know
+            (a typo such as GPT-2's ``n_layers``) is refused with the closest known key.
+        embeddings: the :class:`~dplit.backbone.embeddings.EmbeddingPolicy` (default: untied, copied from the input embedding).
+        vocab_size: tokenizer size (linked from the data); sets the vocabulary of a config-built backbone, checked
+            for a pretrained one.
+        max_length: the longest sequence the data will feed (linked from ``data.max_length``); refused when
+            above the backbone's position limit (``max_position_embeddings`` / GPT-2's ``n_positions``).
+        dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
+        peft: a peft adapter config, applied after the embedding policy (base weights frozen), e.g.
+            ``{class_path: peft.LoraConfig, init_args: {r: 8, target_modules: [q_proj, v_proj]}}``.
+        train_embeddings: whether the input/output embedding (tied: the one shared matrix; untied: both) is
+            trained; ``None``: trained in full fine-tuning, frozen beside ``peft`` adapters (as peft does).
+        freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``; each must match a
+            parameter, and some parameter must stay trainable.
+        attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
+            engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
+        lr: AdamW peak learning rate (finite, > 0).
+        weight_decay: AdamW weight decay (≥ 0).
+        betas: AdamW betas (each in [0, 1)).
+        warmup_steps: optimizer steps of linear warm-up, before the linear decay to zero (or the constant ``lr``).
+        lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
     """
 
-    def build_backbone(
+    def __init__(
         self,
         *,
-        embeddings: EmbeddingPolicy | None,
-        pretrained: str | None,
-        gguf_file: str | None,
-        config: dict[str, Any] | None,
-        vocab_size: int | None,
-        max_length: int | None,
-        dropout: float | None,
-        attn_implementation: str,
-        peft: Any = None,
+        pretrained: str | None = None,
+        gguf_file: str | None = None,
+        config: dict[str, Any] | None = None,
+        embeddings: EmbeddingPolicy | None = None,
+        vocab_size: int | None = None,
+        max_length: int | None = None,
+        dropout: float | None = 0.0,
+        peft: AdapterConfig | None = None,
         train_embeddings: bool | None = None,
+        freeze: list[str] | None = None,
+        attn_implementation: Literal["eager", "sdpa"] = "eager",
+        lr: float = 5e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 0,
+        lr_schedule: Literal["linear", "constant"] = "linear",
     ) -> None:
-        """Check the optimizer settings, build ``self.backbone``, apply the embedding policy, then the adapters.
-
-        The backbone comes from :func:`dplit.backbone.causal_lm.build_causal_lm`; the optimizer settings are the saved
-        hyperparameters, refused here (see :func:`check_optimizer_settings`) rather than at the first step.
-        ``peft`` (a ``peft.PeftConfig``) injects adapters and freezes the base weights; ``train_embeddings``
-        then trains or freezes the input/output embedding (``None``: trained without adapters, frozen beside them).
-        """
-        hp = self.hparams
-        check_optimizer_settings(hp.lr, hp.weight_decay, hp.betas, hp.warmup_steps, hp.lr_schedule)
+        super().__init__()
+        given_peft = peft
+        peft = adapter_hyperparameter(peft) if peft is not None else None  # plain types: weights_only checkpoints
+        self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
+        if peft is not None and self.hparams.get("peft") is given_peft:
+            # the subclass's **kwargs hold the peft object as given, and its frame's arguments win: keep the plain one
+            self.hparams.peft = peft
+            self._hparams_initial = copy.deepcopy(self.hparams)  # what loggers get, copied as Lightning copies it
+        check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule)
+        self._freeze = list(freeze or [])
         self.privacy_history = PrivacyHistory(inherited_segments(pretrained))
         self._step_hooks: list[Any] = []
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
@@ -82,22 +127,28 @@ class CausalLMModule(LightningModule):
         elif train_embeddings is not None:
             set_embeddings_trainable(self.backbone, train_embeddings)
 
+    @abstractmethod
+    def per_example_loss(self, batch: Batch) -> Tensor:
+        """The loss of each example [B], example i's depending on example i only: DPStrategy clips its gradients."""
+
     @property
     def max_positions(self) -> int | None:
         """The longest sequence the backbone's position embedding or rotary setting allows (``None``: no limit known)."""
         return getattr(self.backbone.config, "max_position_embeddings", None)
 
-    def freeze_prefixes(self, prefixes: list[str], *, also_frozen_by: str | None = None) -> None:
-        """Freeze every parameter whose name starts with one of ``prefixes`` (each must match something).
+    def apply_freeze(self, *, also_frozen_by: str | None = None) -> None:
+        """Freeze every parameter whose name starts with one of the ``freeze`` prefixes (each must match something).
+
+        A subclass calls it last in its ``__init__``, once its own layers exist (``freeze`` may name them).
 
         Args:
-            prefixes: parameter-name prefixes (``model.freeze``).
-            also_frozen_by: the other setting that froze parameters (named when nothing is left to train).
+            also_frozen_by: the task setting that also froze parameters (named when nothing is left to train).
 
         Raises:
             ValueError: for a prefix that matches no parameter name (with the closest name), or when no
                 trainable parameter is left.
         """
+        prefixes = self._freeze
         names = [name for name, _ in self.named_parameters()]
         for prefix in prefixes:
             matched = [n for n in names if n.startswith(prefix)]

@@ -10,8 +10,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
-from dplit.backbone.adapters import AdapterConfig, adapter_hyperparameter
-from dplit.backbone.embeddings import EmbeddingPolicy, embedding_pair
+from dplit.backbone.embeddings import embedding_pair
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 
@@ -19,76 +18,25 @@ class CausalLMClassifier(CausalLMModule):
     """Causal-LM classifier scoring label words through the LM head (or a linear head) at the last real token.
 
     Args:
-        pretrained: hub name (``"gpt2"``, ``"HuggingFaceTB/SmolLM2-135M-Instruct"``, ``"Qwen/Qwen2.5-0.5B"``) or
-            local folder of any checkpoint ``transformers.AutoModelForCausalLM`` loads.
-        gguf_file: a GGUF checkpoint file inside the ``pretrained`` folder (needs the ``gguf`` package).
-        config: keyword arguments of a model config for a randomly initialised backbone (tests, quickstart),
-            with its ``model_type`` (``"gpt2"`` when absent, e.g. ``{model_type: llama, hidden_size: 32, ...}``).
-            Set exactly one of ``pretrained`` and ``config``. A key the family's config class does not know
-            (a typo such as GPT-2's ``n_layers``) is refused with the closest known key.
-        embeddings: the :class:`~dplit.backbone.embeddings.EmbeddingPolicy` (default: untied, copied from the input embedding).
         head: ``"label_words"`` scores the task's label-word logits of the LM head; ``"linear"`` adds a
             d×K score layer (the LM head is then unused and, when untied, frozen).
         label_word_ids: token id of each class's label word, in class order (linked from the data).
         num_classes: number of classes K for the linear head when no label words are given.
-        vocab_size: tokenizer size; sets the vocabulary of a config-built backbone, checked for a pretrained one.
         task: task name; QQP also reports F1.
-        max_length: the longest sequence the data will feed (linked from ``data.max_length``); refused when
-            above the backbone's position limit (``max_position_embeddings`` / GPT-2's ``n_positions``).
-        dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
-        peft: a peft adapter config, applied after the embedding policy (base weights frozen), e.g.
-            ``{class_path: peft.LoraConfig, init_args: {r: 8, target_modules: [q_proj, v_proj]}}``.
-        train_embeddings: whether the input/output embedding (tied: the one shared matrix; untied: both) is
-            trained; ``None``: trained in full fine-tuning, frozen beside ``peft`` adapters (as peft does).
-        freeze: parameter-name prefixes to freeze, e.g. ``["backbone.transformer.wpe"]``; each must match a
-            parameter, and some parameter must stay trainable.
-        attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
-            engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
-        lr: AdamW peak learning rate (finite, > 0).
-        weight_decay: AdamW weight decay (≥ 0).
-        betas: AdamW betas (each in [0, 1)).
-        warmup_steps: optimizer steps of linear warm-up before the linear decay to zero.
-        lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
+        **kwargs: the backbone, embedding, adapter, freezing and optimizer arguments of
+            :class:`~dplit.tasks.base.CausalLMModule` (``pretrained``, ``config``, ``lr``, ...).
     """
 
     def __init__(
         self,
-        pretrained: str | None = None,
-        gguf_file: str | None = None,
-        config: dict[str, Any] | None = None,
-        embeddings: EmbeddingPolicy | None = None,
+        *,
         head: Literal["label_words", "linear"] = "label_words",
         label_word_ids: list[int] | None = None,
         num_classes: int | None = None,
-        vocab_size: int | None = None,
         task: str | None = None,
-        max_length: int | None = None,
-        dropout: float | None = 0.0,
-        peft: AdapterConfig | None = None,
-        train_embeddings: bool | None = None,
-        freeze: list[str] | None = None,
-        attn_implementation: Literal["eager", "sdpa"] = "eager",
-        lr: float = 5e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        lr_schedule: Literal["linear", "constant"] = "linear",
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        peft = adapter_hyperparameter(peft) if peft is not None else None  # plain types: weights_only checkpoints
-        self.save_hyperparameters(ignore=["embeddings"])  # the policy object stays out of pickled checkpoints
-        self.build_backbone(
-            embeddings=embeddings,
-            pretrained=pretrained,
-            gguf_file=gguf_file,
-            config=config,
-            vocab_size=vocab_size,
-            max_length=max_length,
-            dropout=dropout,
-            attn_implementation=attn_implementation,
-            peft=peft,
-            train_embeddings=train_embeddings,
-        )
+        super().__init__(**kwargs)
         inputs, outputs = embedding_pair(self.backbone)
         _check_label_words(head, label_word_ids, outputs.weight.shape[0])
         classes = len(label_word_ids) if label_word_ids else num_classes
@@ -100,7 +48,7 @@ class CausalLMClassifier(CausalLMModule):
         if head == "linear" and outputs.weight is not inputs.weight:
             outputs.requires_grad_(False)
             head_froze = "model.head='linear' (which freezes the unused untied LM head)"
-        self.freeze_prefixes(freeze or [], also_frozen_by=head_froze)
+        self.apply_freeze(also_frozen_by=head_froze)
         self.val_acc = MulticlassAccuracy(num_classes=classes, average="micro")
         self.val_f1 = MulticlassF1Score(num_classes=classes, average="macro") if task == "qqp" else None
 
@@ -118,6 +66,7 @@ class CausalLMClassifier(CausalLMModule):
             return self.score(h)  # [B, K]
         return self.backbone.get_output_embeddings()(h)[:, self.label_word_ids]  # [B, V] -> [B, K]
 
+    @override
     def per_example_loss(self, batch: Batch) -> Tensor:
         """Cross-entropy of each example [B]; example i's loss depends on example i only."""
         logits = self(batch["input_ids"], batch["attention_mask"])

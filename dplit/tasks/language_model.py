@@ -11,8 +11,6 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
-from dplit.backbone.adapters import AdapterConfig, adapter_hyperparameter
-from dplit.backbone.embeddings import EmbeddingPolicy
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 DEFAULT_SAMPLE_PROMPTS = ("the movie", "this film is")
@@ -27,72 +25,28 @@ class CausalLanguageModel(CausalLMModule):
     the whole example's gradient however long it is; with ``"mean"`` long and short examples weigh the same.
 
     Args:
-        pretrained: hub name or local folder of any checkpoint ``AutoModelForCausalLM`` loads.
-        gguf_file: a GGUF checkpoint file inside the ``pretrained`` folder.
-        config: a model config for a random backbone, with ``model_type`` (``"gpt2"`` when absent).
-        embeddings: the :class:`~dplit.backbone.embeddings.EmbeddingPolicy` (default: untied, a copy of the input embedding).
-        vocab_size: tokenizer size (linked from the data).
-        max_length: longest example in tokens (linked from the data), checked against the position limit.
         loss_reduction: per-example ``"sum"`` or ``"mean"`` of the token losses (changes what C means).
         sample_prompts: prompts whose greedy continuations are logged as text every validation (``None``: two
             movie-review prompts; ``[]``: no samples). Each must be a non-empty string whose tokens, with
             ``sample_tokens`` more, fit the backbone's position limit (checked once the tokenizer is known).
         sample_tokens: tokens generated per sample (≥ 1).
-        dropout: overrides the backbone's dropout probabilities (in [0, 1]; ``None`` keeps the checkpoint's).
-        peft: a peft adapter config, applied after the embedding policy (base weights frozen), e.g.
-            ``{class_path: peft.LoraConfig, init_args: {r: 8, target_modules: [q_proj, v_proj]}}``.
-        train_embeddings: whether the input/output embedding (tied: the one shared matrix; untied: both) is
-            trained; ``None``: trained in full fine-tuning, frozen beside ``peft`` adapters (as peft does).
-        freeze: parameter-name prefixes to freeze (some parameter must stay trainable).
-        attn_implementation: ``"eager"`` or ``"sdpa"`` (not with ``clipping="per_example"``).
-        lr: AdamW peak learning rate (finite, > 0).
-        weight_decay: AdamW weight decay (≥ 0).
-        betas: AdamW betas (each in [0, 1)).
-        warmup_steps: optimizer steps of linear warm-up.
-        lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
+        **kwargs: the backbone, embedding, adapter, freezing and optimizer arguments of
+            :class:`~dplit.tasks.base.CausalLMModule` (``pretrained``, ``config``, ``lr``, ...).
     """
 
     def __init__(
         self,
-        pretrained: str | None = None,
-        gguf_file: str | None = None,
-        config: dict[str, Any] | None = None,
-        embeddings: EmbeddingPolicy | None = None,
-        vocab_size: int | None = None,
-        max_length: int | None = None,
+        *,
         loss_reduction: Literal["sum", "mean"] = "sum",
         sample_prompts: list[str] | None = None,
         sample_tokens: int = 16,
-        dropout: float | None = 0.0,
-        peft: AdapterConfig | None = None,
-        train_embeddings: bool | None = None,
-        freeze: list[str] | None = None,
-        attn_implementation: Literal["eager", "sdpa"] = "eager",
-        lr: float = 5e-4,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
-        lr_schedule: Literal["linear", "constant"] = "linear",
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
         if loss_reduction not in ("sum", "mean"):
             raise ValueError(f"model.loss_reduction must be 'sum' or 'mean', got {loss_reduction!r}")
         _check_samples(sample_prompts, sample_tokens)
-        peft = adapter_hyperparameter(peft) if peft is not None else None  # plain types: weights_only checkpoints
-        self.save_hyperparameters(ignore=["embeddings"])
-        self.build_backbone(
-            embeddings=embeddings,
-            pretrained=pretrained,
-            gguf_file=gguf_file,
-            config=config,
-            vocab_size=vocab_size,
-            max_length=max_length,
-            dropout=dropout,
-            attn_implementation=attn_implementation,
-            peft=peft,
-            train_embeddings=train_embeddings,
-        )
-        self.freeze_prefixes(freeze or [])
+        super().__init__(**kwargs)
+        self.apply_freeze()
         self._sample_prompts = list(DEFAULT_SAMPLE_PROMPTS if sample_prompts is None else sample_prompts)
         self._val_loss_sum = 0.0
         self._val_tokens = 0
@@ -113,6 +67,7 @@ class CausalLanguageModel(CausalLMModule):
         trained = (batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]).to(losses.dtype)  # [B, T-1]
         return losses * trained, trained
 
+    @override
     def per_example_loss(self, batch: Batch) -> Tensor:
         """Each example's summed (or mean) token loss [B]; example i's loss depends on example i only."""
         losses, trained = self.token_losses(batch)
