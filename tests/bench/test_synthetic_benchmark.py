@@ -10,22 +10,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.synthetic import (
+from bench.synthetic.arguments import parse_args
+from bench.synthetic.commands import classifier_args, lm_fit_args
+from bench.synthetic.files import (
     CONTROL_PROMPTS,
-    classifier_args,
-    describe_synthetic,
-    distinct_n,
-    lm_fit_args,
-    overlap_share,
-    parse_args,
-    plan,
     prepare_files,
     read_sst2_rows,
-    words,
     write_instructions,
     write_prompts,
     write_synthetic_tsv,
 )
+from bench.synthetic.sitting import plan
+from bench.synthetic.statistics import describe_synthetic, distinct_n, overlap_share, words
 from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
@@ -160,11 +156,12 @@ def test_the_pipelines_commands_mean_what_the_study_says_to_dplits_parsers(tmp_p
 def test_every_benchmark_and_study_records_the_machine_and_commit_and_starts_children_with_one_function() -> None:
     import bench.audit
     import bench.run
-    import bench.tying
-    from bench import machine, synthetic
+    from bench import machine
     from bench.study import arm, record, sst2
+    from bench.synthetic import sitting as synthetic
+    from bench.tying import sitting as tying
 
-    for module in (bench.run, synthetic, bench.tying, bench.audit, record):
+    for module in (bench.run, synthetic, tying, bench.audit, record):
         assert module.machine_info is machine.machine_info and module.git_info is machine.git_info, module.__name__
     for module in (bench.run, arm, sst2):
         assert module.child_environment is machine.child_environment, module.__name__

@@ -27,17 +27,10 @@ from bench.study.version import (
     portable_command,
     study_code_version,
 )
-from bench.tying import (
-    ARMS,
-    Study,
-    chosen_lr,
-    grid_runs,
-    migrate_record,
-    parse_args,
-    recorded_rows,
-    rerun_plan,
-    settings_key,
-)
+from bench.tying.arguments import parse_args
+from bench.tying.arms import ARMS, Study
+from bench.tying.plan import chosen_lr, grid_runs
+from bench.tying.resume import migrate_record, recorded_rows, rerun_plan, settings_key
 from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.tasks.classifier import CausalLMClassifier
