@@ -144,7 +144,7 @@ def git_info(*paths: str) -> dict[str, Any]:
 def child_environment(threads: int = 0) -> dict[str, str]:
     """This environment for a child started as ``python -m ...`` with the repository root as its working directory.
 
-    The root is then the first entry of the child's ``sys.path``, so ``bench`` and ``tests.helpers`` import from this
+    The root is then the first entry of the child's import path, so ``bench`` and ``tests.helpers`` import from this
     checkout with nothing added to PYTHONPATH.
 
     With ``threads`` > 0 also OMP_NUM_THREADS: Lightning's DDP-based strategies (DPStrategy is one) otherwise reset
