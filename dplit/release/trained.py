@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,7 +84,7 @@ def _rebuilt(
     ``model.config``) instead of ``model.pretrained``/``model.gguf_file``; the embedding policy, adapters and head
     are the run's. Without it (a checkpoint of an older dplit), the base model is loaded again, as in training.
     """
-    accepted = inspect.signature(module_class).parameters
+    accepted = module_class.argument_names()  # a task's own and, through **kwargs, CausalLMModule's
     arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
     if backbone_config is not None:
         arguments.update(pretrained=None, gguf_file=None, config=config_arguments(backbone_config), vocab_size=None)

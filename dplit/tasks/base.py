@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import inspect
 import json
 import math
 import tempfile
@@ -126,6 +127,24 @@ class CausalLMModule(LightningModule, ABC):
             apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
         elif train_embeddings is not None:
             set_embeddings_trainable(self.backbone, train_embeddings)
+
+    @classmethod
+    def argument_names(cls) -> frozenset[str]:
+        """The keyword arguments ``cls(...)`` takes: its own ``__init__``'s and those its ``**kwargs`` passes on.
+
+        ``inspect.signature(cls)`` shows a task's own arguments and ``**kwargs`` only; rebuilding a module from a
+        checkpoint's hyperparameters needs all of them (and nothing else, such as LightningCLI's ``_instantiator``).
+        """
+        names: set[str] = set()
+        for owner in cls.__mro__:
+            init = owner.__dict__.get("__init__")
+            if init is None:
+                continue
+            parameters = list(inspect.signature(init).parameters.values())[1:]  # without self
+            names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+                break
+        return frozenset(names)
 
     @abstractmethod
     def per_example_loss(self, batch: Batch) -> Tensor:
