@@ -22,6 +22,7 @@ from dplit.cli.config_checks import check_gguf_files, check_privacy_choice, stra
 from dplit.cli.lightning_cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
+from dplit.numbers import is_finite_number
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import DPStrategy
 from dplit.tasks.classifier import CausalLMClassifier
@@ -54,7 +55,7 @@ class AuditSettings:
             raise ValueError(f"audit.canaries must be an integer ≥ 2, got {canaries!r}")
         if mode not in MODES:
             raise ValueError(f"audit.mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if not (isinstance(confidence, (int, float)) and 0 < confidence < 1):
+        if not is_finite_number(confidence, above=0, below=1):
             raise ValueError(f"audit.confidence must be in (0, 1), got {confidence!r}")
         self.canaries = canaries
         self.mode = mode

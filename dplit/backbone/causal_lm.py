@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from dplit.numbers import is_finite_number
 
 DROPOUT_SETTINGS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
 """Config keys that hold a dropout probability in the causal LM families dplit trains (GPT-2, Llama, Qwen2, ...)."""
@@ -194,8 +195,7 @@ def _did_you_mean(key: str, known: list[str]) -> str:
 
 def check_probability(flag: str, value: object) -> None:
     """Refuse a dropout probability outside [0, 1] (or not a number), naming ``flag``."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not (math.isfinite(value) and 0.0 <= value <= 1.0):  # type: ignore[arg-type]
+    if not is_finite_number(value, minimum=0, maximum=1):
         raise ValueError(f"{flag}={value!r}: must be a probability in [0, 1]")
 
 

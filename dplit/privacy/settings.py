@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
+from dplit.numbers import is_finite_number, range_text
 from dplit.privacy.accounting import DELTA_MAX, Mechanism
 
 CLIPPING_ENGINES = ("ghost", "per_example")
@@ -77,7 +77,7 @@ class DPSGDSettings:
             require_finite("noise_multiplier", self.noise_multiplier, at_least=0.0)
         if self.target_epsilon is not None:
             require_finite("target_epsilon", self.target_epsilon, above=0.0)
-        if self.target_delta is not None and not 0 < self.target_delta <= DELTA_MAX:
+        if self.target_delta is not None and not is_finite_number(self.target_delta, above=0, maximum=DELTA_MAX):
             raise ValueError(f"{FLAG_OWNER}.target_delta must be in (0, {DELTA_MAX}], got {self.target_delta}")
         if self.max_physical_batch_size < 1:
             raise ValueError(f"{FLAG_OWNER}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
@@ -88,11 +88,9 @@ class DPSGDSettings:
 
 def require_finite(field: str, value: float, *, above: float | None = None, at_least: float | None = None) -> None:
     """Refuse (one line naming ``DPStrategy.<field>``) a value that is not a finite number in the range."""
-    finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if above is not None and not (finite and value > above):
-        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number > {above:g}, got {value}")
-    if at_least is not None and not (finite and value >= at_least):
-        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number ≥ {at_least:g}, got {value}")
+    if not is_finite_number(value, above=above, minimum=at_least):
+        bounds = range_text(above=above, minimum=at_least)
+        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number{f' {bounds}' if bounds else ''}, got {value}")
 
 
 def _require_choice(field: str, value: str, choices: tuple[str, ...]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import warnings
@@ -18,6 +17,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from dplit.data.text import read_records, records_to_rows
+from dplit.numbers import is_finite_number, require_finite_number
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.release.trained import load_trained
@@ -49,11 +49,8 @@ class SamplingSettings:
                             ("batch_size", self.batch_size)):  # fmt: skip
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{flag}={value!r}: must be an integer ≥ 1")
-        if not (
-            isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0
-        ):
-            raise ValueError(f"--temperature={self.temperature!r}: must be a finite number > 0")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        require_finite_number(self.temperature, name="--temperature", above=0)
+        if not is_finite_number(self.top_p, above=0, maximum=1):
             raise ValueError(f"--top_p={self.top_p!r}: must be in (0, 1]")
 
 

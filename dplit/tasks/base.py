@@ -29,6 +29,7 @@ from dplit.backbone.adapters import (
 )
 from dplit.backbone.causal_lm import build_causal_lm
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
 from dplit.privacy.integrity import record_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
@@ -279,11 +280,9 @@ def check_optimizer_settings(
     lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int, lr_schedule: str
 ) -> None:
     """Refuse AdamW and schedule settings torch would only reject in ``configure_optimizers`` (or never)."""
-    if not _finite_number(lr) or lr <= 0:
-        raise ValueError(f"model.lr={lr!r}: must be a finite number > 0")
-    if not _finite_number(weight_decay) or weight_decay < 0:
-        raise ValueError(f"model.weight_decay={weight_decay!r}: must be a finite number ≥ 0")
-    if len(betas) != 2 or not all(_finite_number(beta) and 0 <= beta < 1 for beta in betas):
+    require_finite_number(lr, name="model.lr", above=0)
+    require_finite_number(weight_decay, name="model.weight_decay", minimum=0)
+    if len(betas) != 2 or not all(is_finite_number(beta, minimum=0, below=1) for beta in betas):
         raise ValueError(f"model.betas={list(betas)!r}: must be two numbers in [0, 1)")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"model.warmup_steps={warmup_steps!r}: must be an integer ≥ 0")
@@ -296,10 +295,6 @@ def nothing_to_train(prefixes: list[str], also_frozen_by: str | None) -> str:
     causes = [f"model.freeze={list(prefixes)!r}"] if prefixes else []
     causes += [also_frozen_by] if also_frozen_by else []
     return f"{' and '.join(causes) or 'the model settings'} froze every parameter: nothing to train"
-
-
-def _finite_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _closest_prefix(prefix: str, names: list[str]) -> str:

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable
 
 import dplit.privacy.accounting.limits as limits
+from dplit.numbers import is_finite_number
 from dplit.privacy.accounting.accountant import accounted_epsilon
 from dplit.privacy.accounting.checks import check_accountable
 from dplit.privacy.accounting.limits import (
@@ -47,7 +48,7 @@ def calibrate_noise_multiplier(
         ValueError: in one line naming the flags, if the inputs fail :func:`check_accountable`, if no σ up to
             :data:`NOISE_MULTIPLIER_MAX` reaches the target, or if the target needs a σ smaller than PRV can handle.
     """
-    if not (math.isfinite(epsilon_tolerance) and epsilon_tolerance > 0):
+    if not is_finite_number(epsilon_tolerance, above=0):
         raise ValueError(f"epsilon_tolerance must be a finite number > 0, got {epsilon_tolerance}")
     steps = max(1, int(steps))
     check_accountable(

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 import dplit.privacy.accounting.limits as limits
+from dplit.numbers import is_finite_number
 from dplit.privacy.accounting.limits import (
     DELTA_MAX,
     EPSILON_MAX,
@@ -75,9 +76,9 @@ def check_basics(mechanism: str, sample_rate: float, delta: float) -> None:
     """Refuse an unknown accountant, a sample rate outside (0, 1] and a δ outside (0, DELTA_MAX]."""
     if mechanism not in ("prv", "rdp"):
         raise ValueError(f"DPStrategy.accountant must be 'prv' or 'rdp', got {mechanism!r}")
-    if not (math.isfinite(sample_rate) and 0 < sample_rate <= 1):
+    if not is_finite_number(sample_rate, above=0, maximum=1):
         raise ValueError(f"the Poisson sample rate q = data.batch_size / N must be in (0, 1], got {sample_rate}")
-    if not (math.isfinite(delta) and 0 < delta <= DELTA_MAX):
+    if not is_finite_number(delta, above=0, maximum=DELTA_MAX):
         raise ValueError(
             f"DPStrategy.target_delta={delta:.3g} must be in (0, {DELTA_MAX:g}]: a larger δ is no guarantee "
             "(publishing a random 10% of the examples meets δ = 0.1) and there opacus reports negative ε or fails "
@@ -101,7 +102,7 @@ def refuse_prv_grid(history: History, delta: float) -> None:
 def _check_noise_multiplier(
     sigma: float, *, mechanism: Mechanism, sample_rate: float, steps: int, delta: float
 ) -> None:
-    if not (math.isfinite(sigma) and 0 <= sigma <= NOISE_MULTIPLIER_MAX):
+    if not is_finite_number(sigma, minimum=0, maximum=NOISE_MULTIPLIER_MAX):
         raise ValueError(
             f"DPStrategy.noise_multiplier={sigma:g} must be 0 (no privacy) or in (0, {NOISE_MULTIPLIER_MAX:g}]: "
             "above it opacus' accountants take seconds per ε (at q = 0.5) and add nothing"
@@ -123,7 +124,7 @@ def _check_noise_multiplier(
 
 
 def _check_target_epsilon(target: float, *, mechanism: Mechanism, sample_rate: float, steps: int, delta: float) -> None:
-    if not (math.isfinite(target) and 0 < target <= EPSILON_MAX):
+    if not is_finite_number(target, above=0, maximum=EPSILON_MAX):
         raise ValueError(
             f"DPStrategy.target_epsilon={target:g} must be in (0, {EPSILON_MAX:g}]: a larger ε bounds the "
             f"likelihood ratio by more than e^{EPSILON_MAX:g}, which is no guarantee, and calibration chases σ → 0"

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import Literal
 
+from dplit.numbers import is_finite_number
+
 Mechanism = Literal["prv", "rdp"]
 History = list[tuple[float, float, int]]  # (σ, q, steps) segments, as opacus keeps them
 
@@ -63,7 +65,7 @@ def describe(history: History) -> str:
 
 def ceil_sig(value: float, digits: int = 3) -> str:
     """``value`` rounded up to ``digits`` significant digits (a bound the user may type in and meet)."""
-    if not (math.isfinite(value) and value > 0):
+    if not is_finite_number(value, above=0):
         return f"{value:.{digits}g}"
     scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
     return f"{math.ceil(value / scale) * scale:.{digits}g}"
@@ -71,7 +73,7 @@ def ceil_sig(value: float, digits: int = 3) -> str:
 
 def floor_sig(value: float, digits: int = 3) -> str:
     """``value`` rounded down to ``digits`` significant digits."""
-    if not (math.isfinite(value) and value > 0):
+    if not is_finite_number(value, above=0):
         return f"{value:.{digits}g}"
     scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
     return f"{math.floor(value / scale) * scale:.{digits}g}"

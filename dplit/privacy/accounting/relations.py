@@ -20,6 +20,8 @@ from typing import Literal, get_args
 import dp_accounting
 from dp_accounting.pld import pld_privacy_accountant
 
+from dplit.numbers import is_finite_number
+
 Relation = Literal["add_remove", "replace_one"]
 Segment = tuple[float, float, int]  # (σ, q, steps), as dplit.privacy.accounting.History keeps them
 
@@ -104,12 +106,12 @@ def _neighboring_relation(relation: str) -> dp_accounting.NeighboringRelation:
 
 
 def _check_delta(delta: float) -> None:
-    if not (isinstance(delta, numbers.Real) and 0 < delta < 1):
+    if not is_finite_number(delta, above=0, below=1):
         raise ValueError(f"delta must be a number in (0, 1), got {delta!r}")
 
 
 def _check_interval(interval: float) -> None:
-    if not (isinstance(interval, numbers.Real) and 0 < interval <= 0.1):
+    if not is_finite_number(interval, above=0, maximum=0.1):
         raise ValueError(f"value_discretization_interval must be in (0, 0.1], got {interval!r}")
 
 
@@ -119,17 +121,13 @@ def _checked_segment(index: int, segment: Segment) -> Segment:
         sigma, q, steps = segment
     except (TypeError, ValueError):
         raise ValueError(f"history[{index}] must be a (sigma, q, steps) triple, got {segment!r}") from None
-    if not (_is_real(sigma) and math.isfinite(sigma) and sigma >= 0):
+    if not is_finite_number(sigma, minimum=0):
         raise ValueError(f"history[{index}]: noise multiplier sigma must be a finite number ≥ 0, got {sigma!r}")
-    if not (_is_real(q) and 0 < q <= 1):
+    if not is_finite_number(q, above=0, maximum=1):
         raise ValueError(f"history[{index}]: sample rate q must be in (0, 1], got {q!r}")
     if not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 1):
         raise ValueError(f"history[{index}]: steps must be an integer ≥ 1, got {steps!r}")
     return float(sigma), float(q), int(steps)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @contextmanager

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from dplit.numbers import is_finite_number
+
 Batch = Mapping[str, Tensor]
 PerExampleLoss = Callable[[Batch], Tensor]
 """Maps a batch of B examples to the B per-example losses; example i's loss depends on example i only."""
@@ -54,8 +56,8 @@ class ClippingEngine(ABC):
     """
 
     def __init__(self, module: nn.Module, *, max_grad_norm: float) -> None:
-        if max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        if not is_finite_number(max_grad_norm, above=0):
+            raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
         self._module = module
         self._max_grad_norm = float(max_grad_norm)
 
