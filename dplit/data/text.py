@@ -25,8 +25,6 @@ from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.files import TextRows, check_data_file, read_rows, refusal
-from dplit.data.files import read_records as read_records  # dplit.release.generate's import (its old path)
-from dplit.data.files import records_to_rows as records_to_rows  # dplit.release.generate's import (its old path)
 from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
 

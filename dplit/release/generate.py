@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from dplit.data.text import read_records, records_to_rows
+from dplit.data.files import read_records, records_to_rows
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE
@@ -57,7 +57,7 @@ class SamplingSettings:
 def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_column: str = "label") -> list[Prompt]:
     """Prompts from a ``.txt`` (one per line), ``.jsonl``, ``.json`` or ``.csv`` file, read as training files are.
 
-    The file is parsed by :func:`dplit.data.text.read_records` (the readers of ``data.train_file``): a CSV file
+    The file is parsed by :func:`dplit.data.files.read_records` (the readers of ``data.train_file``): a CSV file
     has a header line, a JSON file holds an array of objects or JSON Lines, blank lines are skipped.
 
     Args:
