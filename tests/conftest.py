@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import ByteLevelBPETokenizer
 
+from tests.helpers.paths import SMOLLM2_GGUF
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,10 +18,40 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture
 def shared_data_dir() -> Path:
     """The folder with real GLUE SST-2 TSVs and the GPT-2 tokenizer, from ``DPLIT_DATA_DIR``."""
+    return _shared_data()
+
+
+def _shared_data() -> Path:
     folder = os.environ.get("DPLIT_DATA_DIR")
     if not folder or not Path(folder).is_dir():
         pytest.skip("DPLIT_DATA_DIR is not set to the shared data folder (GLUE SST-2 + GPT-2 tokenizer)")
     return Path(folder)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct read once from its GGUF file by dplit's own loaders, saved as a plain HF folder.
+
+    Dequantising the GGUF file (model and tokenizer) costs ~20 s on a CPU core: the tests that need the real
+    model but not the GGUF path take this folder; ``test_real_smollm2_gguf_takes_a_private_step_on_real_sst2[tied]``
+    and the data tests still read the GGUF file itself.
+    """
+    from dplit.backbone.causal_lm import build_causal_lm
+    from dplit.data.tokenizer import load_tokenizer
+    from dplit.release.export import forget_gguf_quantizer
+
+    gguf = _shared_data() / "smollm2-135m-instruct" / SMOLLM2_GGUF
+    if not gguf.is_file():
+        pytest.skip(f"{gguf} is not in the shared data folder")
+    model = build_causal_lm(
+        pretrained=str(gguf.parent), gguf_file=gguf.name, config=None, vocab_size=None, dropout=None,
+        attn_implementation="eager",
+    )  # fmt: skip
+    folder = tmp_path_factory.mktemp("smollm2-135m-instruct")
+    forget_gguf_quantizer(model)  # its weights are plain float32 tensors, as dplit export writes them
+    model.save_pretrained(folder)
+    load_tokenizer(gguf.parent, gguf.name).save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

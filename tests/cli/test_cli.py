@@ -15,8 +15,8 @@ from dplit.cli.lightning_cli import run_cli
 from dplit.strategy import DPStrategy
 from tests.helpers.commands import CONFIGS, GLUE_FILES, TINY, config_task, glue_args, quickstart_args, steps
 from tests.helpers.executable import dplit_executable, user_environment
+from tests.helpers.paths import SMOLLM2_GGUF
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
 
 
@@ -180,15 +180,21 @@ def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, t
 
 
 @pytest.mark.parametrize("policy", ["tied", "untied"])
-def test_real_smollm2_gguf_takes_a_private_step_on_real_sst2(policy: str, shared_data_dir: Path, tmp_path: Path) -> None:
-    folder = shared_data_dir / "smollm2-135m-instruct"
-    if not (folder / SMOLLM2_GGUF).is_file():
-        pytest.skip(f"{folder / SMOLLM2_GGUF} is absent from DPLIT_DATA_DIR")
+def test_real_smollm2_takes_a_private_step_on_real_sst2(
+    policy: str, shared_data_dir: Path, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Tied: read from the GGUF file, with the ghost self-check on the real model; untied: from the folder saved once."""
+    if policy == "tied":
+        folder = shared_data_dir / "smollm2-135m-instruct"
+        if not (folder / SMOLLM2_GGUF).is_file():
+            pytest.skip(f"{folder / SMOLLM2_GGUF} is absent from DPLIT_DATA_DIR")
+        source = ["--model.gguf_file", SMOLLM2_GGUF, "--data.gguf_file", SMOLLM2_GGUF]
+    else:
+        folder, source = request.getfixturevalue("smollm2_folder"), ["--trainer.strategy.init_args.self_check", "false"]
     cli = run_cli([
         "fit",
         "--config", str(CONFIGS / f"smollm2_sst2_{policy}.yaml"),  # the offline override of its header
-        "--model.pretrained", str(folder), "--model.gguf_file", SMOLLM2_GGUF,
-        "--data.tokenizer", str(folder), "--data.gguf_file", SMOLLM2_GGUF,
+        "--model.pretrained", str(folder), "--data.tokenizer", str(folder), *source,
         "--data.data_dir", str(shared_data_dir / "glue" / "sst2"),
         "--trainer.default_root_dir", str(tmp_path),
         "--trainer.accelerator", "cpu",
