@@ -46,6 +46,7 @@ from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
+from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.world import SingleProcess, World
@@ -91,6 +92,8 @@ class DPSGD:
         self.history = history
         self.noise_source = noise_source if noise_source is not None else NoiseSource(seed=settings.seed)
         self.world: World = world if world is not None else SingleProcess()
+        if isinstance(self.world, ShardedProcessGroup):
+            check_sharded_settings(settings)
         self.engine = engine if engine is not None else clipping_engine(module, settings)
         self.engine.check_parameters()
         refuse_state_writing_modules(module)
@@ -214,7 +217,7 @@ class DPSGD:
         self._check_ranks_hold_the_same_rows()
         self._planned_steps, self._steps_done = planned_steps, steps_done
         self._open_ledger(delta, log_dir, resumed_from)
-        self._buffer = GradientBuffer(list(trainable_parameters(self._module).values()), extra=1)
+        self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=1)
         self._say(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self.settings.max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self.settings.clipping}, "
@@ -242,12 +245,16 @@ class DPSGD:
         buffer = self._started_buffer()
         losses, norms = [], []
         self._state_guard.arm()
+        micro_batches = list(split_batch(batch, self.settings.max_physical_batch_size))
+        placeholders = self.world.micro_batch_count(len(micro_batches)) - len(micro_batches)
         with buffer.receiving():  # every param.grad is a view into the buffer: the engine's sums land in it
             self._self_check(loss_fn, batch)
-            for micro_batch in split_batch(batch, self.settings.max_physical_batch_size):
+            for micro_batch in micro_batches:
                 stats = self.engine.accumulate(loss_fn, micro_batch)
                 losses.append(stats.losses)
                 norms.append(stats.norms)
+            for _ in range(placeholders):  # sharded weights: every rank runs every forward pass, these add zero
+                self.engine.accumulate(_contributing_nothing(loss_fn), placeholder_example(batch))
         self._state_guard.check()  # before any noise or step: nothing written from private data is released
         if not losses:
             empty = buffer.flat.new_zeros(0)
@@ -331,12 +338,15 @@ class DPSGD:
         buffer = self._started_buffer()
         _call(self._before_noise, self, buffer.gradients)
         buffer.extra.fill_(float(stop))
-        if self.world.rank == 0 and self._noise_multiplier:  # a fresh generator every step
-            generator = self.noise_source.generator("noise", steps=self._ledger.steps, device=buffer.flat.device)
-            buffer.add_noise(self._noise_multiplier * self.settings.max_grad_norm, generator)
-        self.world.all_reduce_sum(buffer.flat)  # same bits on every rank, as DDP's
+        std = (self._noise_multiplier or 0.0) * self.settings.max_grad_norm
+        self.world.noisy_sum(buffer, std=std, generator=self._noise_generator)
         buffer.refuse_non_finite(step=self._ledger.steps + 1)
         _call(self._after_noise, self, buffer.gradients)
+
+    def _noise_generator(self, rank: int) -> torch.Generator:
+        """A fresh generator for the noise ``rank`` draws in this step (its own stream: ranks draw independently)."""
+        stream = "noise" if rank == 0 else f"noise/rank{rank}"
+        return self.noise_source.generator(stream, steps=self._ledger.steps, device=self._started_buffer().flat.device)
 
     def _self_check(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
         """Once, on the first non-empty batch: the ghost engine's norms against autograd's (``settings.self_check``)."""
@@ -535,6 +545,16 @@ def clipping_engine(module: nn.Module, settings: DPSGDSettings) -> ClippingEngin
 def batch_size(batch: Batch) -> int:
     """The number of examples in ``batch``."""
     return next(iter(batch.values())).shape[0]
+
+
+def placeholder_example(batch: Batch) -> Batch:
+    """One all-zero example shaped like ``batch``'s (at least one position): a forward pass that clips nothing real."""
+    return {key: value.new_zeros((1, *(max(1, size) for size in value.shape[1:]))) for key, value in batch.items()}
+
+
+def _contributing_nothing(loss_fn: PerExampleLoss) -> PerExampleLoss:
+    """``loss_fn`` times zero: its per-example gradients are exactly zero (a non-finite one is dropped by the engine)."""
+    return lambda batch: loss_fn(batch) * 0.0
 
 
 def split_batch(batch: Batch, size: int) -> Iterator[Batch]:

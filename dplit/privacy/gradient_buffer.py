@@ -30,7 +30,7 @@ class GradientBuffer:
         self._total = sum(self._sizes)
         self.flat = torch.zeros(self._total + extra, dtype=dtype, device=device)
         chunks = self.flat[: self._total].split(self._sizes)
-        self._views = [chunk.view_as(p) for chunk, p in zip(chunks, parameters, strict=True)]
+        self._views = [chunk.view(p.shape) for chunk, p in zip(chunks, parameters, strict=True)]  # a DTensor's global shape
 
     @property
     def extra(self) -> Tensor:

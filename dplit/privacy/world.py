@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+
+from dplit.privacy.gradient_buffer import GradientBuffer
 
 T = TypeVar("T")
 
+NoiseGenerator = Callable[[int], torch.Generator]
+"""``generator(rank)``: a fresh generator for the noise ``rank`` draws in this step."""
+
 
 class World(Protocol):
-    """The three collectives DP-SGD needs, and where this process stands."""
+    """The collectives DP-SGD needs, where this process stands, and who draws which noise."""
 
     rank: int
     """This process's global rank (rank 0 draws the noise and writes the ledger)."""
@@ -29,6 +35,18 @@ class World(Protocol):
 
     def all_agree(self, decision: bool) -> bool:
         """Whether every rank's ``decision`` is true."""
+        ...
+
+    def micro_batch_count(self, count: int) -> int:
+        """How many micro-batches this rank runs, given its own ``count`` (more when all ranks must run alike)."""
+        ...
+
+    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
+        """The buffer the clipped sums of ``parameters`` are summed into on this rank."""
+        ...
+
+    def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
+        """Replace the ranks' clipped sums by their sum plus N(0, std²) drawn exactly once per coordinate."""
         ...
 
 
@@ -48,6 +66,19 @@ class SingleProcess:
     def all_agree(self, decision: bool) -> bool:
         """``decision`` itself."""
         return decision
+
+    def micro_batch_count(self, count: int) -> int:
+        """``count`` itself."""
+        return count
+
+    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
+        """A buffer of every parameter's whole gradient."""
+        return GradientBuffer(parameters, extra=extra)
+
+    def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
+        """Add the noise to every coordinate."""
+        if std:
+            buffer.add_noise(std, generator(0))
 
 
 class ProcessGroup:
@@ -79,3 +110,17 @@ class ProcessGroup:
         count = torch.tensor(int(decision), device=self._device)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         return int(count.item()) == self.size
+
+    def micro_batch_count(self, count: int) -> int:
+        """``count`` itself: with whole replicas, each rank runs its own forward passes."""
+        return count
+
+    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
+        """A buffer of every parameter's whole gradient (each rank holds a replica)."""
+        return GradientBuffer(parameters, extra=extra)
+
+    def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
+        """Rank 0 adds the noise to its clipped sum, then one all-reduce: the same noisy bits on every rank."""
+        if self.rank == 0 and std:
+            buffer.add_noise(std, generator(0))
+        self.all_reduce_sum(buffer.flat)

@@ -19,6 +19,7 @@ import importlib
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call, vjp, vmap
 
 from dplit.privacy.clipping.norms.factors import ExampleGradient, GradientUse
@@ -50,10 +51,11 @@ A class marked unsafe always uses the ``vmap`` replay.
 def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, GradientUse]:
     """Each own parameter's per-example gradient [B, *shape], by a vector-Jacobian product of the module's forward."""
     kind = type(module)
+    params = whole_parameters(module)  # once per call on every rank, whichever replay runs (a collective if sharded)
     if _BATCHED_REPLAY.get(kind, True):
-        batched = _batched_gradients(module, activation, output_grad)
+        batched = _batched_gradients(module, params, activation, output_grad)
         if kind not in _BATCHED_REPLAY:  # not yet known safe: check the batched replay against vmap's
-            reference = _vmap_gradients(module, activation, output_grad)
+            reference = _vmap_gradients(module, params, activation, output_grad)
             if not _same(batched, reference):
                 _BATCHED_REPLAY[kind] = False
                 batched = reference
@@ -61,7 +63,16 @@ def elementwise_affine_gradients(module: nn.Module, activation: Tensor, output_g
                 _BATCHED_REPLAY[kind] = True
         if batched is not None:
             return {name: ExampleGradient(grad) for name, grad in batched.items()}
-    return {name: ExampleGradient(grad) for name, grad in _vmap_gradients(module, activation, output_grad).items()}
+    replayed = _vmap_gradients(module, params, activation, output_grad)
+    return {name: ExampleGradient(grad) for name, grad in replayed.items()}
+
+
+def whole_parameters(module: nn.Module) -> dict[str, Tensor]:
+    """The module's own parameters, detached and whole: a parameter sharded by FSDP2 (a ``DTensor``) is gathered."""
+    return {
+        name: (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+        for name, param in module.named_parameters(recurse=False)
+    }
 
 
 def _can_tell(activation: Tensor) -> bool:
@@ -79,12 +90,14 @@ def _same(batched: dict[str, Tensor] | None, reference: dict[str, Tensor]) -> bo
     )
 
 
-def _batched_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, Tensor] | None:
+def _batched_gradients(
+    module: nn.Module, params: dict[str, Tensor], activation: Tensor, output_grad: Tensor
+) -> dict[str, Tensor] | None:
     """Per-example gradients from ONE replay with per-example copies of the parameters; ``None`` if it cannot run."""
     size = activation.shape[0]
     expanded: dict[str, Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for name, param in module.named_parameters(recurse=False):
+    for name, param in params.items():
         shapes[name] = tuple(param.shape)
         middle = activation.dim() - 1 - param.dim()  # the positions between the example and the parameter's dims
         if middle < 0 or tuple(activation.shape[activation.dim() - param.dim() :]) != tuple(param.shape):
@@ -105,9 +118,11 @@ def _batched_gradients(module: nn.Module, activation: Tensor, output_grad: Tenso
     return {name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads, strict=True)}  # [B, *shape]
 
 
-def _vmap_gradients(module: nn.Module, activation: Tensor, output_grad: Tensor) -> dict[str, Tensor]:
+def _vmap_gradients(
+    module: nn.Module, whole: dict[str, Tensor], activation: Tensor, output_grad: Tensor
+) -> dict[str, Tensor]:
     """Per-example gradients by replaying the forward on each example separately (``vmap`` of ``vjp``)."""
-    params = {name: p.detach().to(activation.dtype) for name, p in module.named_parameters(recurse=False)}
+    params = {name: value.to(activation.dtype) for name, value in whole.items()}
 
     def example_gradient(inputs: Tensor, grad: Tensor) -> dict[str, Tensor]:
         def output(values: dict[str, Tensor]) -> Tensor:

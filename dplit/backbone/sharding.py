@@ -1,0 +1,43 @@
+"""Sharding a task with FSDP2: each transformer block is one unit; the task itself, the root, holds the rest.
+
+The block classes come from the HF model's own ``_no_split_modules`` (``GPT2Block``, ``LlamaDecoderLayer``,
+``Qwen2DecoderLayer``, ...), so any family dplit loads is wrapped the same way. The root unit holds the embeddings,
+the final norm and the head: a tied input/output embedding is one parameter there. Its weights are gathered when the
+task's ``forward`` runs, so the task reaches its backbone only through ``forward``. Every rank must start from the
+same weights: rank 0's are broadcast first.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from transformers import PreTrainedModel
+
+
+def shard_task(task: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard ``task.backbone``'s transformer blocks, one unit each, then ``task`` as the root unit.
+
+    Args:
+        task: a module with a ``backbone`` causal LM (a :class:`~dplit.tasks.base.CausalLMModule`).
+        mesh: a one-dimensional device mesh over the data-parallel ranks.
+    """
+    for tensor in [*task.parameters(), *task.buffers()]:
+        dist.broadcast(tensor.data, src=0, group=mesh.get_group())
+    backbone: nn.Module = task.backbone
+    for block in transformer_blocks(backbone):
+        fully_shard(block, mesh=mesh)
+    fully_shard(task, mesh=mesh)
+
+
+def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's transformer blocks: instances of the classes its HF model names in ``_no_split_modules``."""
+    model = backbone.get_base_model() if hasattr(backbone, "get_base_model") else backbone
+    names = set(getattr(model, "_no_split_modules", None) or []) if isinstance(model, PreTrainedModel) else set()
+    blocks = [module for module in backbone.modules() if type(module).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} names no transformer block class (_no_split_modules): dplit cannot shard it"
+        )
+    return blocks

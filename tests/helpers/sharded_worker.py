@@ -1,0 +1,121 @@
+"""One rank of the two-process sharded DP-SGD checks (gloo, CPU): DPSGD on FSDP2-sharded weights, no Lightning.
+
+Each rank saves what it computed to ``<out>/rank<r>.pt``; ``tests/privacy/test_sharded_world.py`` compares the
+ranks with the one-process DPSGD on the union of their batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader
+
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
+from dplit.backbone.sharding import shard_task
+from dplit.privacy.dpsgd import DPSGD
+from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.sharded_world import ShardedProcessGroup
+from dplit.tasks.classifier import CausalLMClassifier
+from tests.helpers.families import SMALL
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
+
+CLIP = 0.05
+"""Small enough that most examples' gradients are clipped."""
+ROWS = {0: [0, 1, 2], 1: [3, 4]}
+"""Which examples of the dataset each rank holds in the compared step (rank 0: two micro-batches, rank 1: one)."""
+CASES = [(family, policy) for family in ("gpt2", "llama") for policy in ("tied", "untied")]
+NOISE_STEPS = 40
+
+
+def make_classifier(family: str, policy: str) -> CausalLMClassifier:
+    """A tiny float64 classifier of ``family`` with the ``policy`` embedding (seed 0)."""
+    torch.manual_seed(0)
+    config = TINY_GPT2 if family == "gpt2" else {"model_type": "llama", **SMALL}
+    embeddings = TiedEmbeddings() if policy == "tied" else UntiedEmbeddings()
+    return CausalLMClassifier(config=config, vocab_size=VOCAB, label_word_ids=LABEL_WORDS, embeddings=embeddings).double()
+
+
+def loader(dataset: RandomTokens) -> DataLoader:
+    """The training loader DPSGD samples from: expected batch 4 of N = 8."""
+    return DataLoader(dataset, batch_size=4, collate_fn=PadCollate())
+
+
+def released_gradients(
+    module: CausalLMClassifier, batch: dict[str, torch.Tensor], world: Any, *, sigma: float, steps: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """Each step's released gradient (whole tensors) after clipping ``batch`` on this rank."""
+    dataset = RandomTokens(8, seed=0)
+    settings = DPSGDSettings(
+        max_grad_norm=CLIP, noise_multiplier=sigma, target_delta=1e-3, max_physical_batch_size=2, self_check=False
+    )
+    dpsgd = DPSGD(module, settings, history=PrivacyHistory(), world=world)
+    dpsgd.sample(loader(dataset))
+    dpsgd.start(planned_steps=steps)
+    released = []
+    for _ in range(steps):
+        dpsgd.clip(module.per_example_loss, batch)
+        dpsgd.release()
+        released.append({name: _whole(p.grad) for name, p in module.named_parameters() if p.grad is not None})
+        module.zero_grad(set_to_none=True)
+    return released
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return grad.full_tensor() if hasattr(grad, "full_tensor") else grad.detach().clone()
+
+
+def collate(rows: list[int]) -> dict[str, torch.Tensor]:
+    """The examples ``rows`` of the dataset as one right-padded batch (an empty batch for no rows)."""
+    dataset = RandomTokens(8, seed=0)
+    if not rows:
+        return {"input_ids": torch.zeros(0, 1, dtype=torch.long), "attention_mask": torch.zeros(0, 1, dtype=torch.long),
+                "labels": torch.zeros(0, dtype=torch.long)}  # fmt: skip
+    return PadCollate()([dataset[i] for i in rows])
+
+
+def run(rank: int, size: int, out: str, port: int) -> None:
+    """Everything one rank computes, saved to ``out/rank<rank>.pt``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    mesh = init_device_mesh("cpu", (size,))
+    results: dict[str, Any] = {}
+    for family, policy in CASES:
+        module = make_classifier(family, policy)
+        reference = copy.deepcopy(module)
+        shard_task(module, mesh)
+        world = ShardedProcessGroup(device=torch.device("cpu"))
+        results[f"{family}-{policy}"] = released_gradients(module, collate(ROWS[rank]), world, sigma=0.0)[0]
+        only_rank_0 = collate(ROWS[0] if rank == 0 else [])  # rank 1 runs placeholder passes only
+        results[f"{family}-{policy}-empty-rank"] = released_gradients(
+            _sharded_copy(reference, mesh), only_rank_0, world, sigma=0.0
+        )[0]
+        if rank == 0:
+            union = collate(ROWS[0] + ROWS[1])
+            results[f"{family}-{policy}-reference"] = released_gradients(
+                copy.deepcopy(reference), union, None, sigma=0.0
+            )[0]
+            results[f"{family}-{policy}-reference-rank0-only"] = released_gradients(
+                reference, collate(ROWS[0]), None, sigma=0.0
+            )[0]
+    noise_module = make_classifier("gpt2", "tied")
+    shard_task(noise_module, mesh)
+    results["noise"] = released_gradients(
+        noise_module, collate([]), ShardedProcessGroup(device=torch.device("cpu")), sigma=1.0, steps=NOISE_STEPS
+    )
+    torch.save(results, Path(out) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _sharded_copy(module: CausalLMClassifier, mesh: Any) -> CausalLMClassifier:
+    copied = copy.deepcopy(module)
+    shard_task(copied, mesh)
+    return copied

@@ -1,0 +1,90 @@
+"""DPSGD on FSDP2-sharded weights (two gloo processes): the same update as one process, noise once per coordinate."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.sharded_world import check_sharded_settings
+from tests.helpers.sharded_worker import CASES, CLIP, NOISE_STEPS, run
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of the two ranks computed (one spawn for every check of this module)."""
+    out = tmp_path_factory.mktemp("sharded")
+    mp.start_processes(run, args=(2, str(out), _free_port()), nprocs=2, start_method="spawn")
+    return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "policy"), CASES)
+def test_the_sharded_update_is_the_one_process_update_of_the_union_batch(
+    ranks: list[dict[str, Any]], family: str, policy: str
+) -> None:
+    """σ = 0, float64: each rank clipped its own examples (padding, variable lengths, micro-batches) on its shards."""
+    reference = ranks[0][f"{family}-{policy}-reference"]
+    for rank in ranks:
+        released = rank[f"{family}-{policy}"]
+        assert released.keys() == reference.keys()
+        for name, grad in released.items():
+            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "policy"), CASES)
+def test_a_rank_without_examples_runs_placeholders_that_add_nothing(
+    ranks: list[dict[str, Any]], family: str, policy: str
+) -> None:
+    reference = ranks[0][f"{family}-{policy}-reference-rank0-only"]
+    for rank in ranks:
+        for name, grad in rank[f"{family}-{policy}-empty-rank"].items():
+            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.slow
+def test_every_coordinate_is_noised_once_with_std_sigma_c_over_b(ranks: list[dict[str, Any]]) -> None:
+    """Zero gradients, σ = 1: each coordinate's update has std σC/B; rank 0's and rank 1's rows alike."""
+    steps = ranks[0]["noise"]
+    assert len(steps) == NOISE_STEPS
+    expected = 1.0 * CLIP / 4  # σ C / B with B = qN = 4
+    for name, first in steps[0].items():
+        values = torch.stack([step[name] for step in steps])  # [steps, *shape]
+        torch.testing.assert_close(values, torch.stack([step[name] for step in ranks[1]["noise"]]))  # one release
+        half = -(-first.shape[0] // 2)
+        for rows in (values[:, :half], values[:, half:]):  # rank 0's shard, rank 1's shard
+            if rows.numel() >= 200:
+                assert abs(float(rows.std()) / expected - 1) < 0.15, name
+
+
+@pytest.mark.slow
+def test_the_ranks_noise_streams_are_independent(ranks: list[dict[str, Any]]) -> None:
+    steps = ranks[0]["noise"]
+    weight = torch.stack([step["backbone.transformer.wte.weight"] for step in steps])  # [steps, 40, 16]
+    first, second = weight[:, :20].flatten(), weight[:, 20:].flatten()
+    correlation = float(torch.corrcoef(torch.stack([first, second]))[0, 1])
+    assert abs(correlation) < 0.1
+    assert not torch.equal(weight[0], weight[1])  # a fresh generator every step
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [({"clipping": "per_example"}, "clipping='per_example'"), ({"self_check": True}, "self_check=true")],
+)
+def test_what_a_sharded_step_cannot_do_is_refused_in_one_line(setting: dict[str, Any], message: str) -> None:
+    settings = DPSGDSettings(**{"max_grad_norm": 1.0, "noise_multiplier": 1.0, "self_check": False, **setting})
+    with pytest.raises(ValueError, match=message) as refused:
+        check_sharded_settings(settings)
+    assert "\n" not in str(refused.value)
