@@ -1,21 +1,26 @@
-"""DPStrategy: Lightning's DDP strategy with :class:`~dplit.privacy.dpsgd.DPSGD` in place of backward and the step."""
+"""DP strategies: Lightning's DDP (:class:`DPStrategy`) and FSDP2 (:class:`ShardedDPStrategy`) with DP-SGD inside."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
 from dplit.interrupted_run import INTERRUPT_CHECKPOINT
 from dplit.privacy.accounting import Mechanism
 from dplit.privacy.dpsgd import NO_NOISE_WARNING
+from dplit.privacy.integrity import check_digests
 from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.world import ProcessGroup, SingleProcess
 from dplit.strategy_hooks import DPSGDHooks
 
-__all__ = ["INTERRUPT_CHECKPOINT", "NO_NOISE_WARNING", "DPStrategy"]
+__all__ = ["INTERRUPT_CHECKPOINT", "NO_NOISE_WARNING", "DPStrategy", "ShardedDPStrategy"]
 
 
 class DPStrategy(DPSGDHooks, DDPStrategy):
@@ -69,3 +74,85 @@ class DPStrategy(DPSGDHooks, DDPStrategy):
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.data, src=0)
         self.build_dpsgd(ProcessGroup(device=self.root_device) if self.world_size > 1 else SingleProcess())
+
+
+class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
+    """DP-SGD on weights, gradients and AdamW state sharded by FSDP2 over every device (no tensor parallelism).
+
+    Each transformer block is one FSDP2 unit and the task the root (:func:`dplit.backbone.sharding.shard_task`).
+    Each rank clips its own Poisson shard of the logical batch with the ghost engine (tied embedding included), the
+    clipped sums are added over the ranks, and each rank adds the noise of its own shard of every parameter, from its
+    own stream: every coordinate is noised once. Checkpoints are one file, gathered on rank 0 (the same file a
+    :class:`DPStrategy` run writes, so ``dplit export`` and resuming treat them alike). Every argument but the last
+    two is a field of :class:`~dplit.privacy.settings.DPSGDSettings`; ``self_check`` must stay false (the check
+    needs whole weights) and ``clipping`` must be ``"ghost"``.
+
+    Args:
+        process_group_backend: the torch.distributed backend (default: NCCL on GPUs, gloo on CPUs).
+        timeout: how long a collective may wait.
+    """
+
+    strategy_name = "dp_sharded"
+
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        accountant: Mechanism = "prv",
+        clipping: Literal["ghost", "per_example"] = "ghost",
+        tied_norm: Literal["exact", "bound"] = "exact",
+        max_physical_batch_size: int = 32,
+        self_check: bool = False,
+        seed: int | None = None,
+        allow_large_delta: bool = False,
+        private_diagnostics: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            tensor_parallel_size=1, save_distributed_checkpoint=False, process_group_backend=process_group_backend,
+            timeout=timeout,
+        )  # fmt: skip
+        settings = DPSGDSettings(
+            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
+            max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
+            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
+        )  # fmt: skip
+        check_sharded_settings(settings)
+        self.init_dpsgd(settings)
+
+    @override
+    def setup_environment(self) -> None:
+        """Shard over every device of every node: the data-parallel dimension is the whole world."""
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Build DP-SGD on the sharded model (the task shards itself in ``configure_model``), then the optimizers.
+
+        Lightning calls this when fitting, once the model is sharded and on its device.
+        """
+        self.build_dpsgd(ShardedProcessGroup(device=self.root_device))
+        super().setup_optimizers(trainer)
+
+    @override
+    def check_loaded_digests(self, checkpoint: dict[str, Any], *, source: str) -> None:
+        """Check the digests against the weights now in the sharded model, gathered on rank 0.
+
+        Lightning's FSDP2 loader moves the file's weights into the shards and leaves them out of ``checkpoint``.
+        """
+        weights = self.lightning_module_state_dict()  # every rank takes part; only rank 0 receives them
+        refusal = None
+        if self.global_rank == 0:
+            try:
+                check_digests({**checkpoint, "state_dict": weights}, source=source)
+            except ValueError as error:
+                refusal = str(error)
+        refusal = self.broadcast(refusal)
+        if refusal is not None:
+            raise ValueError(refusal)

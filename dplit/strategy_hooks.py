@@ -176,11 +176,15 @@ class DPSGDHooks:
             record_digest(checkpoint, CHECKPOINT_KEY)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
+    def check_loaded_digests(self, checkpoint: dict[str, Any], *, source: str) -> None:
+        """Refuse a checkpoint whose weights, history or ledger changed since dplit sealed it (one line)."""
+        check_digests(checkpoint, source=source)
+
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Load a checkpoint (refusing one changed since dplit sealed it) and keep its ledger, so ε continues."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)  # type: ignore[misc]
-        check_digests(checkpoint, source=f"--ckpt_path {checkpoint_path}")
+        self.check_loaded_digests(checkpoint, source=f"--ckpt_path {checkpoint_path}")
         if CHECKPOINT_KEY in checkpoint:
             self._restored, self._resumed_from = checkpoint[CHECKPOINT_KEY], Path(checkpoint_path)
             if self._dpsgd is not None:

@@ -12,23 +12,27 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import PreTrainedModel
 
 
-def shard_task(task: nn.Module, mesh: DeviceMesh) -> None:
+def shard_task(task: nn.Module, mesh: DeviceMesh, *, entry_points: tuple[str, ...] = ()) -> None:
     """Shard ``task.backbone``'s transformer blocks, one unit each, then ``task`` as the root unit.
 
     Args:
         task: a module with a ``backbone`` causal LM (a :class:`~dplit.tasks.base.CausalLMModule`).
         mesh: a one-dimensional device mesh over the data-parallel ranks.
+        entry_points: methods of ``task`` besides ``forward`` that reach the backbone (e.g. text generation): the
+            root's weights are gathered around them too.
     """
     for tensor in [*task.parameters(), *task.buffers()]:
         dist.broadcast(tensor.data, src=0, group=mesh.get_group())
     backbone: nn.Module = task.backbone
     for block in transformer_blocks(backbone):
         fully_shard(block, mesh=mesh)
-    fully_shard(task, mesh=mesh)
+    fully_shard(task, mesh=mesh, reshard_after_forward=True)  # the root too: outside a step, every weight is a shard
+    for name in entry_points:
+        register_fsdp_forward_method(task, name)
 
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:

@@ -18,7 +18,7 @@ from jsonargparse import Namespace
 
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
-from dplit.strategy import DPStrategy
+from dplit.strategy_hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
 
@@ -126,10 +126,10 @@ def check_privacy_choice(config: Any) -> bool:
 
 
 def _is_dp_strategy(strategy: Any) -> bool:
-    if isinstance(strategy, DPStrategy):
+    if isinstance(strategy, DPSGDHooks):
         return True
     cls = strategy_class(strategy)
-    return cls is not None and issubclass(cls, DPStrategy)
+    return cls is not None and issubclass(cls, DPSGDHooks)
 
 
 def strategy_class(strategy: Any) -> type | None:

@@ -121,8 +121,11 @@ class DPLitCLI(LightningCLI):
 
     def after_fit(self) -> None:
         """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent."""
-        if self.trainer.is_global_zero and not self.trainer.interrupted:
-            print(f"dplit: done: {run_summary(self.trainer)}")
+        if self.trainer.interrupted:
+            return
+        summary = run_summary(self.trainer)  # on every rank: trainer.log_dir is a collective under several processes
+        if self.trainer.is_global_zero:
+            print(f"dplit: done: {summary}")
 
     def before_validate(self) -> None:
         """Resolve ``--ckpt_path last``."""

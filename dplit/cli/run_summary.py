@@ -9,8 +9,9 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from dplit.interrupted_run import INTERRUPT_CHECKPOINT
 from dplit.privacy.ledger import LEDGER_FILE
-from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
+from dplit.strategy_hooks import DPSGDHooks
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""
@@ -70,7 +71,7 @@ def run_summary(trainer: Trainer) -> str:
 
 def privacy_spent(strategy: Any) -> str:
     """``ε=7.99 at δ=0.00294 after 40 DP steps``, or that the run had no privacy guarantee."""
-    accountant = strategy.accountant if isinstance(strategy, DPStrategy) else None
+    accountant = strategy.accountant if isinstance(strategy, DPSGDHooks) else None
     if accountant is None:
         return "NON-PRIVATE run: no ε, no differential privacy guarantee"
     return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} after {accountant.steps} DP steps"

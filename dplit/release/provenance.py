@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.fsdp import FSDPModule
+
 import dplit
 from dplit.backbone.embeddings import EmbeddingPolicy, is_tied
 
@@ -55,5 +57,8 @@ def _git(root: Path, *args: str) -> str:
 
 
 def _class_path(value: Any) -> str:
+    """``module.QualName`` of ``value``'s class; for a module FSDP2 sharded (``FSDP<Class>``), of the class it wraps."""
     kind = type(value)
+    if issubclass(kind, FSDPModule):
+        kind = next(base for base in kind.__mro__ if not issubclass(base, FSDPModule))
     return f"{kind.__module__}.{kind.__qualname__}"

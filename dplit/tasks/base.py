@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
@@ -29,6 +30,7 @@ from dplit.backbone.adapters import (
 )
 from dplit.backbone.causal_lm import build_causal_lm
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
 from dplit.privacy.integrity import record_digest
@@ -80,6 +82,9 @@ class CausalLMModule(LightningModule, ABC):
         warmup_steps: optimizer steps of linear warm-up, before the linear decay to zero (or the constant ``lr``).
         lr_schedule: ``"linear"`` (warm-up then decay to zero) or ``"constant"``.
     """
+
+    SHARDED_ENTRY_POINTS: tuple[str, ...] = ()
+    """Methods besides ``forward`` that reach the backbone (sharded weights are gathered around them too)."""
 
     def __init__(
         self,
@@ -182,6 +187,12 @@ class CausalLMModule(LightningModule, ABC):
             raise ValueError(nothing_to_train(prefixes, also_frozen_by))
 
     @override
+    def configure_model(self) -> None:
+        """Under a sharded strategy (a device mesh is set), wrap each transformer block and the task with FSDP2."""
+        if self.device_mesh is not None and not isinstance(self, FSDPModule):
+            shard_task(self, self.device_mesh["data_parallel"], entry_points=self.SHARDED_ENTRY_POINTS)
+
+    @override
     def on_fit_start(self) -> None:
         """Log what is trained (adapter, embedding, other parameters) and record it and the embedding policy."""
         counts = trainable_counts(self, self.backbone)
@@ -202,8 +213,12 @@ class CausalLMModule(LightningModule, ABC):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Take the privacy history that came with the checkpoint's weights (or the one its ledger implies)."""
-        self.privacy_history = history_in_checkpoint(checkpoint)
+        """Take the privacy history that came with the checkpoint's weights (or the one its ledger implies).
+
+        The history object stays the same, its content replaced: a DP-SGD run built before the weights were restored
+        (Lightning's FSDP2 strategy restores after setup) holds it, and must count what the weights carry.
+        """
+        self.privacy_history.load_state_dict(history_in_checkpoint(checkpoint).state_dict())
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

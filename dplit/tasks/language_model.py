@@ -34,6 +34,8 @@ class CausalLanguageModel(CausalLMModule):
             :class:`~dplit.tasks.base.CausalLMModule` (``pretrained``, ``config``, ``lr``, ...).
     """
 
+    SHARDED_ENTRY_POINTS = ("generate_text",)
+
     def __init__(
         self,
         *,
@@ -58,10 +60,16 @@ class CausalLanguageModel(CausalLMModule):
         if tokenizer is not None:
             _check_prompt_lengths(self._sample_prompts, tokenizer, self.hparams.sample_tokens, self.max_positions)
 
+    @override
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] (the one way to the backbone: a sharded model gathers its weights here)."""
+        positions = positions_of(attention_mask)  # [B, T]
+        return self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
+
     def token_losses(self, batch: Batch) -> tuple[Tensor, Tensor]:
         """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1]."""
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self.backbone(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask)).logits
+        logits = self(ids, mask)  # [B, T, V]
         predicted = logits[:, :-1].float()  # [B, T-1, V]: position t predicts token t + 1
         losses = F.cross_entropy(predicted.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
         trained = (batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]).to(losses.dtype)  # [B, T-1]

@@ -1,0 +1,50 @@
+"""ShardedDPStrategy through the real ``dplit``: two gloo processes on FSDP2 train, checkpoint, resume and export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dplit.privacy.ledger import LEDGER_FILE, history_steps
+from dplit.release.guarantee import GUARANTEE_FILE
+from tests.helpers.commands import checkpoint_of, lm_args, quickstart_args
+from tests.helpers.executable import run_dplit
+
+pytestmark = pytest.mark.slow
+
+SHARDED = [
+    "--trainer.strategy.class_path", "dplit.strategy.ShardedDPStrategy", "--trainer.devices", "2",
+    "--trainer.accelerator", "cpu", "--trainer.strategy.init_args.process_group_backend", "gloo",
+    "--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1.0",
+    "--trainer.limit_train_batches", "2", "--trainer.limit_val_batches", "1",
+]  # fmt: skip
+
+
+def ledger_steps(run: Path) -> int:
+    """The DP steps the newest ``privacy_ledger.json`` under ``run`` counts."""
+    ledger = max(run.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime)
+    return history_steps(json.loads(ledger.read_text())["accountant"]["history"])
+
+
+def test_a_two_process_sharded_fit_trains_resumes_with_its_ledger_and_exports(tmp_path: Path) -> None:
+    first = run_dplit("fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert ledger_steps(tmp_path) == 2 and "after 2 DP steps" in first.stdout
+    resumed = run_dplit(
+        "fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "2"), "--ckpt_path", str(checkpoint_of(tmp_path))
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ledger_steps(tmp_path) == 4 and "after 4 DP steps" in resumed.stdout  # the checkpoint's 2 counted once
+    exported = run_dplit("export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "out"))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    guarantee = json.loads((tmp_path / "out" / GUARANTEE_FILE).read_text())
+    assert guarantee["steps"] == 4, guarantee
+
+
+def test_a_two_process_sharded_language_model_fit(tmp_path: Path) -> None:
+    """With the default sample prompts: greedy generation runs on the sharded weights too."""
+    done = run_dplit("lm", "fit", *lm_args(tmp_path, *SHARDED, "--trainer.max_epochs", "1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ledger_steps(tmp_path) == 2
