@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 
+from dplit.privacy.history import HISTORY_KEY, PrivacyHistory
 from dplit.tasks.base import CausalLMModule
 from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier
 from dplit.tasks.language_model import CausalLanguageModel
@@ -67,3 +68,15 @@ def test_task_arguments_are_keyword_only() -> None:
 def test_the_language_model_refuses_its_own_settings_before_building_a_backbone() -> None:
     with pytest.raises(ValueError, match=r"^model.loss_reduction must be 'sum' or 'mean', got 'max'$"):
         CausalLanguageModel(loss_reduction="max")  # type: ignore[arg-type]  # no backbone setting at all
+
+
+def test_a_restored_history_reaches_a_dp_run_built_before_the_restore() -> None:
+    """Lightning's FSDP2 strategy builds DP-SGD before it restores the checkpoint: the history must be one object."""
+    module = build(CausalLMClassifier)
+    held = module.privacy_history  # what a DPSGD built at setup holds
+    saved = PrivacyHistory()
+    saved.open_dp_segment(run_id="earlier", facts={})
+    for _ in range(3):
+        saved.record_dp_step(noise_multiplier=1.0, sample_rate=0.1)
+    module.on_load_checkpoint({HISTORY_KEY: saved.state_dict()})
+    assert module.privacy_history is held and held.dp_steps == 3
