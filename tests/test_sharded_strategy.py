@@ -10,7 +10,7 @@ import torch
 
 from dplit.privacy.ledger import LEDGER_FILE, history_steps
 from dplit.release.guarantee import GUARANTEE_FILE
-from tests.helpers.commands import checkpoint_of, lm_args, quickstart_args
+from tests.helpers.commands import CONFIGS, checkpoint_of, glue_args, is_sharded, lm_args, quickstart_args
 from tests.helpers.executable import run_dplit
 
 pytestmark = pytest.mark.slow
@@ -71,3 +71,16 @@ def test_with_one_seed_and_no_noise_sharded_and_data_parallel_runs_reach_the_sam
         # float32 rounding of differently shaped kernels, after AdamW's division by √v (the update is lr = 5e-3):
         # the float64 equality to 1e-10 is tests/privacy/test_sharded_world.py's
         torch.testing.assert_close(sharded[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("config", sorted(filter(is_sharded, CONFIGS.glob("*.yaml"))), ids=lambda p: p.stem)
+def test_each_sharded_config_takes_a_step_on_a_tiny_model_of_its_family(
+    config: Path, tmp_path: Path, tiny_bpe_dir: Path
+) -> None:
+    """The config as shipped (8 or 2 GPUs, bf16) brought to 2 CPU processes, float32, a tiny random Llama."""
+    done = run_dplit(
+        "fit", *glue_args(config, tmp_path, tiny_bpe_dir), "--trainer.devices", "2",
+        "--trainer.strategy.init_args.process_group_backend", "gloo",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ledger_steps(tmp_path) == 1

@@ -13,11 +13,22 @@ import yaml
 from dplit.backbone.embeddings import is_tied
 from dplit.cli.lightning_cli import run_cli
 from dplit.strategy import DPStrategy
-from tests.helpers.commands import CONFIGS, GLUE_FILES, TINY, config_task, glue_args, quickstart_args, steps
+from tests.helpers.commands import (
+    CONFIGS,
+    GLUE_FILES,
+    TINY,
+    config_task,
+    glue_args,
+    is_sharded,
+    quickstart_args,
+    steps,
+)
 from tests.helpers.executable import dplit_executable, user_environment
 from tests.helpers.paths import SMOLLM2_GGUF
 
-GLUE_CONFIGS = sorted(p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES)
+GLUE_CONFIGS = sorted(
+    p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES and not is_sharded(p)
+)  # the sharded ones need two processes: tests/test_sharded_strategy.py
 
 
 

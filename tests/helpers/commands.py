@@ -52,6 +52,12 @@ def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def is_sharded(config: Path) -> bool:
+    """Whether a shipped config trains with ``ShardedDPStrategy`` (its tests need two processes)."""
+    strategy = yaml.safe_load(config.read_text())["trainer"].get("strategy") or {}
+    return isinstance(strategy, dict) and strategy.get("class_path") == "dplit.strategy.ShardedDPStrategy"
+
+
 def config_task(config: Path) -> str:
     """The GLUE task a shipped config trains on."""
     return yaml.safe_load(config.read_text())["data"]["task"]
@@ -70,7 +76,7 @@ def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
         "--trainer.enable_progress_bar", "false",
         *steps(1),
         "--model.pretrained", "null",
-        "--model.config", TINY_LLAMA if config.stem.startswith("smollm2") else TINY,
+        "--model.config", TINY_LLAMA if config.stem.startswith(("smollm2", "llama")) else TINY,
         "--data.data_dir", str(folder),
         "--data.tokenizer", str(tokenizer_dir),
         "--data.batch_size", "4",
