@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -12,10 +12,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
 from dplit.interrupted_run import INTERRUPT_CHECKPOINT
-from dplit.privacy.accounting import Mechanism
 from dplit.privacy.dpsgd import NO_NOISE_WARNING
 from dplit.privacy.integrity import check_digests
-from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.world import ProcessGroup, SingleProcess
 from dplit.strategy_hooks import DPSGDHooks
@@ -30,39 +28,12 @@ class DPStrategy(DPSGDHooks, DDPStrategy):
     micro-batches, the clipped sums are all-reduced once with N(0, σ²C²) added once (rank 0), divided by the
     expected batch size, and the optimizer steps. Under data parallelism there is no DDP wrapper: rank 0's weights
     are broadcast at setup and each rank samples its own shard at the global rate q. The ledger is saved in every
-    checkpoint and in ``privacy_ledger.json``. Every argument but ``**kwargs`` is a field of
-    :class:`~dplit.privacy.settings.DPSGDSettings` (documented there) and is validated when the strategy is made.
-
-    Args:
-        **kwargs: passed to Lightning's ``DDPStrategy`` (``process_group_backend``, ``start_method``, ...).
+    checkpoint and in ``privacy_ledger.json``. Its arguments are :class:`~dplit.strategy_hooks.DPSGDHooks`'
+    (the fields of :class:`~dplit.privacy.settings.DPSGDSettings`) and Lightning's ``DDPStrategy``'s
+    (``process_group_backend``, ``start_method``, ...).
     """
 
     strategy_name = "dp"
-
-    def __init__(
-        self,
-        *,
-        max_grad_norm: float,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        accountant: Mechanism = "prv",
-        clipping: Literal["ghost", "per_example"] = "ghost",
-        tied_norm: Literal["exact", "bound"] = "exact",
-        max_physical_batch_size: int = 32,
-        self_check: bool = True,
-        seed: int | None = None,
-        allow_large_delta: bool = False,
-        private_diagnostics: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.init_dpsgd(DPSGDSettings(
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
-            max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
-            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
-        ))  # fmt: skip
 
     @override
     def configure_ddp(self) -> None:
@@ -83,13 +54,13 @@ class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
     Each rank clips its own Poisson shard of the logical batch with the ghost engine (tied embedding included), the
     clipped sums are added over the ranks, and each rank adds the noise of its own shard of every parameter, from its
     own stream: every coordinate is noised once. Checkpoints are one file, gathered on rank 0 (the same file a
-    :class:`DPStrategy` run writes, so ``dplit export`` and resuming treat them alike). Every argument but the last
-    two is a field of :class:`~dplit.privacy.settings.DPSGDSettings`; ``self_check`` must stay false (the check
-    needs whole weights) and ``clipping`` must be ``"ghost"``.
+    :class:`DPStrategy` run writes, so ``dplit export`` and resuming treat them alike).
 
     Args:
+        self_check: must stay false: the ghost self-check compares with autograd on whole weights.
         process_group_backend: the torch.distributed backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: how long a collective may wait.
+        **kwargs: :class:`~dplit.strategy_hooks.DPSGDHooks`' DP arguments (``clipping`` must be ``"ghost"``).
     """
 
     strategy_name = "dp_sharded"
@@ -97,33 +68,16 @@ class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
     def __init__(
         self,
         *,
-        max_grad_norm: float,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
-        accountant: Mechanism = "prv",
-        clipping: Literal["ghost", "per_example"] = "ghost",
-        tied_norm: Literal["exact", "bound"] = "exact",
-        max_physical_batch_size: int = 32,
         self_check: bool = False,
-        seed: int | None = None,
-        allow_large_delta: bool = False,
-        private_diagnostics: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        **kwargs: Any,
     ) -> None:
         super().__init__(
-            tensor_parallel_size=1, save_distributed_checkpoint=False, process_group_backend=process_group_backend,
-            timeout=timeout,
+            self_check=self_check, data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False,
+            process_group_backend=process_group_backend, timeout=timeout, **kwargs,
         )  # fmt: skip
-        settings = DPSGDSettings(
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
-            target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
-            max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
-            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
-        )  # fmt: skip
-        check_sharded_settings(settings)
-        self.init_dpsgd(settings)
+        check_sharded_settings(self.settings)
 
     @override
     def setup_environment(self) -> None:

@@ -1,8 +1,8 @@
 """DPSGDHooks: the Lightning strategy hooks through which :class:`~dplit.privacy.dpsgd.DPSGD` replaces backward.
 
 Every DP strategy (data parallel or sharded) inherits them before its Lightning base, e.g.
-``class DPStrategy(DPSGDHooks, DDPStrategy)``; it calls :meth:`DPSGDHooks.init_dpsgd` in ``__init__`` and
-:meth:`DPSGDHooks.build_dpsgd` once its model is on its device. The mechanism itself stays in the Lightning-free
+``class DPStrategy(DPSGDHooks, DDPStrategy)``: the hooks' ``__init__`` takes the DP arguments and passes the rest to
+the Lightning strategy, and the strategy calls :meth:`DPSGDHooks.build_dpsgd` once its model is on its device. The mechanism itself stays in the Lightning-free
 DPSGD object; these hooks only say when Lightning calls it.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.interrupted_run import interrupt_checkpoint_path, save_interrupted_run
-from dplit.privacy.accounting import PrivacyAccountant
+from dplit.privacy.accounting import Mechanism, PrivacyAccountant
 from dplit.privacy.clipping.engine import Batch, ClippingEngine
 from dplit.privacy.dpsgd import DPSGD, clipping_engine
 from dplit.privacy.integrity import check_digests, record_digest
@@ -36,13 +36,39 @@ from dplit.strategy_checks import check_module, check_trainer
 class DPSGDHooks:
     """Poisson loaders, clipping in ``training_step``, no backward, the noisy release in ``optimizer_step``, the ledger.
 
-    Meant to precede a Lightning ``Strategy`` in the bases: every ``super()`` call here reaches that strategy.
+    Meant to precede a Lightning ``Strategy`` in the bases: every ``super()`` call here reaches that strategy. Every
+    argument but ``**kwargs`` is a field of :class:`~dplit.privacy.settings.DPSGDSettings` (documented there),
+    validated when the strategy is made.
+
+    Args:
+        **kwargs: passed to the Lightning strategy (e.g. DDP's ``process_group_backend``, ``start_method``).
     """
 
-    def init_dpsgd(self, settings: DPSGDSettings) -> None:
-        """Keep the validated settings and the noise source; DP-SGD itself is built at setup."""
-        self.settings = settings
-        self.noise_source = NoiseSource(seed=settings.seed)
+    def __init__(
+        self,
+        *,
+        max_grad_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        accountant: Mechanism = "prv",
+        clipping: Literal["ghost", "per_example"] = "ghost",
+        tied_norm: Literal["exact", "bound"] = "exact",
+        max_physical_batch_size: int = 32,
+        self_check: bool = True,
+        seed: int | None = None,
+        allow_large_delta: bool = False,
+        private_diagnostics: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)  # the Lightning strategy's own arguments
+        self.settings = DPSGDSettings(
+            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
+            max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
+            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
+        )  # fmt: skip
+        self.noise_source = NoiseSource(seed=seed)
         self._dpsgd: DPSGD | None = None
         self._restored: dict[str, Any] | None = None
         self._resumed_from: Path | None = None
