@@ -71,11 +71,15 @@ def privacy_args(claimed: float | None) -> list[str]:
     return ["--trainer.strategy.init_args.target_epsilon", str(claimed)]
 
 
+SMOKE_EPOCHS = 2
+"""Steps of each ``--smoke`` run (the setup's own 20 would check nothing more about the pipeline)."""
+
+
 def plan(smoke: bool) -> list[dict[str, Any]]:
     """Every run: its table, setup, mode, claimed ε, mechanism and canaries."""
     if smoke:
-        return [{"table": 1, "setup": BUG_SETUP, "mode": mode, "claimed": 4.0, "mechanism": "correct", "canaries": 100}
-                for mode in MODES]  # fmt: skip
+        return [{"table": 1, "setup": BUG_SETUP, "mode": mode, "claimed": 4.0, "mechanism": "correct", "canaries": 100,
+                 "epochs": SMOKE_EPOCHS} for mode in MODES]  # fmt: skip
     runs = [
         {"table": 1, "setup": setup, "mode": mode, "claimed": claimed, "mechanism": "correct", "canaries": 1000}
         for setup in SETUPS for claimed in (*EPSILONS, None) for mode in MODES
@@ -96,6 +100,7 @@ def command(run: dict[str, Any], root: Path) -> list[str]:
         sys.executable, "-m", "dplit", *subcommand.split(), *args, *strategy, *privacy_args(run["claimed"]),
         "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
         "--trainer.limit_val_batches", "0", "--audit.mode", run["mode"], "--audit.canaries", str(run["canaries"]),
+        *(["--trainer.max_epochs", str(run["epochs"])] if "epochs" in run else []),
     ]  # fmt: skip
 
 
