@@ -292,7 +292,7 @@ bench_command() {  # part model seq_len row_timeout: sets CMD to bench.run for t
 
 part() {  # name: sets CMD to the part's command
   case $1 in
-    tests) CMD=("$PYTHON" -m pytest -m gpu -q --junitxml="$OUT/tests.junit.xml") ;;
+    tests) CMD=("$PYTHON" -m pytest -m gpu -q -n 0 --junitxml="$OUT/tests.junit.xml") ;;  # one process: one GPU
     bench_gpt2) bench_command bench_gpt2 gpt2 128 60 ;;
     bench_smollm2) bench_command bench_smollm2 smollm2 64 70 ;;
     tying) CMD=("$PYTHON" -m bench.tying --full --seeds 0 --epsilons 8 --arms dp_tied dp_untied
