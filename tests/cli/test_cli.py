@@ -16,7 +16,6 @@ from dplit.strategy import DPStrategy
 from tests.helpers.commands import (
     CONFIGS,
     GLUE_FILES,
-    TINY,
     config_task,
     glue_args,
     is_sharded,
@@ -24,7 +23,6 @@ from tests.helpers.commands import (
     steps,
 )
 from tests.helpers.executable import dplit_executable, user_environment
-from tests.helpers.paths import SMOLLM2_GGUF
 
 GLUE_CONFIGS = sorted(
     p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES and not is_sharded(p)
@@ -162,70 +160,6 @@ def test_main_runs_the_command_of_the_table_on_the_arguments_after_its_name(monk
 def test_python_dash_m_and_console_script_entry(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "dplit", "--help"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "fit" in result.stdout and "validate" in result.stdout
-
-
-def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, tmp_path: Path) -> None:
-    cli = run_cli([
-        "fit",
-        "--config", str(CONFIGS / "sst2_untied.yaml"),
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.accelerator", "cpu",
-        "--trainer.precision", "32-true",
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.max_steps", "3",
-        "--trainer.limit_val_batches", "2",
-        "--trainer.val_check_interval", "3",
-        "--model.pretrained", "null",
-        "--model.config", TINY,
-        "--data.data_dir", str(shared_data_dir / "glue" / "sst2"),
-        "--data.tokenizer", str(shared_data_dir / "gpt2-tokenizer"),
-        "--data.max_train_examples", "2000",
-        "--data.max_eval_examples", "64",
-        "--data.batch_size", "64",
-        "--data.eval_batch_size", "32",
-    ])  # fmt: skip
-    metrics = cli.trainer.callback_metrics
-    assert cli.model.hparams.vocab_size == 50257 and cli.model.hparams.label_word_ids == [7818, 1049]
-    assert cli.trainer.strategy.accountant.steps == 3 and 0 < metrics["privacy/epsilon"] <= 8.0
-    assert torch.isfinite(metrics["train/loss"]) and "val/acc" in metrics
-
-
-@pytest.mark.parametrize("policy", ["tied", "untied"])
-def test_real_smollm2_takes_a_private_step_on_real_sst2(
-    policy: str, shared_data_dir: Path, request: pytest.FixtureRequest, tmp_path: Path
-) -> None:
-    """Tied: read from the GGUF file, with the ghost self-check on the real model; untied: from the folder saved once."""
-    if policy == "tied":
-        folder = shared_data_dir / "smollm2-135m-instruct"
-        if not (folder / SMOLLM2_GGUF).is_file():
-            pytest.skip(f"{folder / SMOLLM2_GGUF} is absent from DPLIT_DATA_DIR")
-        source = ["--model.gguf_file", SMOLLM2_GGUF, "--data.gguf_file", SMOLLM2_GGUF]
-    else:
-        folder, source = request.getfixturevalue("smollm2_folder"), ["--trainer.strategy.init_args.self_check", "false"]
-    cli = run_cli([
-        "fit",
-        "--config", str(CONFIGS / f"smollm2_sst2_{policy}.yaml"),  # the offline override of its header
-        "--model.pretrained", str(folder), "--data.tokenizer", str(folder), *source,
-        "--data.data_dir", str(shared_data_dir / "glue" / "sst2"),
-        "--trainer.default_root_dir", str(tmp_path),
-        "--trainer.accelerator", "cpu",
-        "--trainer.precision", "32-true",
-        "--trainer.enable_progress_bar", "false",
-        *steps(1),
-        "--data.max_train_examples", "64",
-        "--data.max_eval_examples", "4",
-        "--data.batch_size", "8",  # q = 1/8: a Poisson batch of 64 rows is empty with probability 2e-4, not 2%
-        "--data.eval_batch_size", "4",
-        "--data.max_length", "32",
-    ])  # fmt: skip
-    backbone = cli.model.backbone
-    assert type(backbone).__name__ == "LlamaForCausalLM" and len(backbone.model.layers) == 30
-    assert is_tied(backbone) == (policy == "tied")
-    assert cli.model.hparams.label_word_ids == [3524, 2731]  # " negative", " positive" in SmolLM2's own tokenizer
-    if policy == "untied":  # started as a copy, then each got its own (noisy) update
-        assert not torch.equal(backbone.lm_head.weight, backbone.model.embed_tokens.weight)
-    assert cli.trainer.strategy.accountant.steps == 1 and 0 < cli.trainer.callback_metrics["privacy/epsilon"] <= 8
-    assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
 def test_quickstart_learns_the_synthetic_task_within_its_budget(tmp_path: Path) -> None:

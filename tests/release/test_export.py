@@ -300,27 +300,6 @@ def test_adapter_only_is_refused_when_the_embedding_was_trained_too(tmp_path: Pa
     assert not (tmp_path / "adapter").exists()
 
 
-def test_real_smollm2_exports_untied_and_loads_untied(smollm2_folder: Path, tmp_path: Path) -> None:
-    folder = smollm2_folder  # read once from the GGUF file by dplit's loaders
-    rows = tmp_path / "train.jsonl"
-    rows.write_text("".join(json.dumps({"text": f"A fine film, number {i}."}) + "\n" for i in range(40)))
-    cli = run_lm_cli([
-        "fit", "--config", str(REPOSITORY / "configs" / "smollm2_lm.yaml"),
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
-        "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
-        "--model.pretrained", str(folder), "--data.tokenizer", str(folder),
-        "--data.train_file", str(rows), "--data.val_file", str(rows), "--trainer.strategy.init_args.self_check", "false",
-        "--data.batch_size", "4", "--data.eval_batch_size", "4", "--data.max_length", "32",
-        "--model.embeddings", POLICIES["untied"], "--model.sample_prompts", "[]",
-    ])  # fmt: skip
-    model, tokenizer = exported(checkpoint_of(tmp_path), tmp_path / "export")
-    assert not is_tied(model) and model.config.tie_word_embeddings is False
-    ids = torch.tensor([tokenizer.encode("A fine film")])
-    with torch.no_grad():
-        expected = cli.model.eval().backbone(input_ids=ids).logits
-        torch.testing.assert_close(model(input_ids=ids).logits, expected, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.slow
 def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(tmp_path: Path) -> None:
     run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
