@@ -19,6 +19,8 @@ from dplit.release.export import export_checkpoint
 from tests.helpers.commands import CONFIGS, TINY, checkpoint_of, steps
 from tests.helpers.paths import SMOLLM2_GGUF
 
+pytestmark = pytest.mark.slow  # real models: tens of seconds each
+
 
 def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, tmp_path: Path) -> None:
     cli = run_cli([
