@@ -75,12 +75,3 @@ def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     bpe.save_model(str(folder))
     return folder
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the modules with end-to-end (``slow``) tests first.
-
-    pytest-xdist hands out whole files in this order, so a parallel run ends on the many short modules, not on a long
-    one.
-    """
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
-    items.sort(key=lambda item: 0 if item.module and item.module.__name__ in slow_modules else 1)
