@@ -46,7 +46,6 @@ from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
-from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.world import SingleProcess, World
@@ -92,8 +91,7 @@ class DPSGD:
         self.history = history
         self.noise_source = noise_source if noise_source is not None else NoiseSource(seed=settings.seed)
         self.world: World = world if world is not None else SingleProcess()
-        if isinstance(self.world, ShardedProcessGroup):
-            check_sharded_settings(settings)
+        self.world.check_settings(settings)
         self.engine = engine if engine is not None else clipping_engine(module, settings)
         self.engine.check_parameters()
         refuse_state_writing_modules(module)
@@ -105,6 +103,7 @@ class DPSGD:
         self._dataset_size: int | None = None
         self._rows: IndexedRows | None = None
         self._buffer: GradientBuffer | None = None
+        self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
         self._budget_steps = 0  # the most total DP steps verified to stay within target_epsilon
         self._epsilon_spent, self._epsilon_steps = 0.0, 0
@@ -171,6 +170,11 @@ class DPSGD:
 
     # --- hooks -----------------------------------------------------------------------------------------------------
 
+    @property
+    def gradient_buffer(self) -> GradientBuffer:
+        """The buffer this rank's clipped sums are summed into (made by :meth:`start`, one per trainable set)."""
+        return self._started_buffer()
+
     def register_before_noise_hook(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
         """Call ``hook(self, clipped_sum)`` on every rank after clipping, before the noise is added."""
         return _register(self._before_noise, hook, prepend=prepend)
@@ -218,6 +222,9 @@ class DPSGD:
         self._planned_steps, self._steps_done = planned_steps, steps_done
         self._open_ledger(delta, log_dir, resumed_from)
         self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=1)
+        if self._buffer_handle is not None:
+            self._buffer_handle.remove()
+        self._buffer_handle = self.engine.register_summed_hook(self._buffer.receive)
         self._say(
             f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self.settings.max_grad_norm}, q={self._sample_rate:.3g}, "
             f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self.settings.clipping}, "
@@ -402,7 +409,9 @@ class DPSGD:
         A resumed run also counts the steps this run's newest ledger file took after the checkpoint.
         """
         settings, history = self.settings, self.history
-        self._ledger.open(delta=delta, mechanism=settings.accountant, directory=log_dir if self.world.rank == 0 else None)
+        self._ledger.open(
+            delta=delta, mechanism=settings.accountant, directory=log_dir if self.world.rank == 0 else None
+        )
         if resumed_from is not None and self.world.rank == 0:
             self._count_steps_after_checkpoint(resumed_from, log_dir)
         history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history

@@ -26,11 +26,18 @@ class GradientBuffer:
         dtype = torch.float64 if any(p.dtype == torch.float64 for p in parameters) else torch.float32
         device = parameters[0].device if parameters else torch.device("cpu")
         self._parameters = parameters
-        self._sizes = [p.numel() for p in parameters]
-        self._total = sum(self._sizes)
+        self._index = {id(p): index for index, p in enumerate(parameters)}
+        shapes = [self.held_shape(p) for p in parameters]
+        sizes = [shape.numel() for shape in shapes]
+        self._total = sum(sizes)
         self.flat = torch.zeros(self._total + extra, dtype=dtype, device=device)
-        chunks = self.flat[: self._total].split(self._sizes)
-        self._views = [chunk.view(p.shape) for chunk, p in zip(chunks, parameters, strict=True)]  # a DTensor's global shape
+        chunks = self.flat[: self._total].split(sizes)
+        self._views = [chunk.view(shape) for chunk, shape in zip(chunks, shapes, strict=True)]
+
+    @staticmethod
+    def held_shape(param: nn.Parameter) -> torch.Size:
+        """The shape of the part of ``param``'s gradient this buffer holds: all of it (a ``DTensor``'s global shape)."""
+        return param.shape
 
     @property
     def extra(self) -> Tensor:
@@ -60,6 +67,18 @@ class GradientBuffer:
         self.flat.zero_()
         for param, view in zip(self._parameters, self._views, strict=True):
             param.grad = view if param.dtype == view.dtype else None
+
+    def receive(self, param: nn.Parameter) -> None:
+        """Take a micro-batch's completed sum of ``param`` (a clipping engine's summed hook).
+
+        A sum already in the buffer (``grad`` is a view into it) stays; one held outside (another dtype) is
+        added in float32/64 at once, so micro-batches never accumulate in bf16.
+        """
+        index = self._index[id(param)]
+        view = self._views[index]
+        if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+            view.add_(param.grad.to(view.dtype))
+            param.grad = None
 
     def detach(self) -> None:
         """Fold gradients held outside the buffer into it; leave every ``grad`` ``None``."""

@@ -1,9 +1,11 @@
 """A world of ranks that each hold a shard of every parameter (FSDP2 ``fully_shard``): noise per shard, once.
 
-Each rank clips its own Poisson shard of the logical batch into a whole-size clipped sum, as under data
-parallelism. The sums are added over the ranks; then each rank adds N(0, σ²C²) to the rows of each parameter it
-holds (dim 0, as FSDP2 shards), from its own stream, so every coordinate is noised exactly once across the world
-with no noise broadcast, and hands its rows to the optimizer as the ``DTensor`` gradient of its shard.
+Each rank clips its own Poisson shard of the logical batch. As soon as the clipping engine has one parameter's
+clipped sum for a micro-batch (whole, from this rank's activations), it is reduce-scattered over the ranks into
+the rows of that parameter this rank holds (dim 0, as FSDP2 shards) and freed: a rank never holds more than one
+parameter's whole gradient, and its buffer holds only its own rows. Then each rank adds N(0, σ²C²) to its rows
+from its own stream, so every coordinate is noised exactly once across the world with no noise broadcast, and
+hands them to the optimizer as the ``DTensor`` gradient of its shard.
 """
 
 from __future__ import annotations
@@ -36,12 +38,16 @@ def check_sharded_settings(settings: DPSGDSettings) -> None:
 class ShardedProcessGroup(ProcessGroup):
     """The default torch.distributed group, over which every trainable parameter is a dim-0-sharded ``DTensor``.
 
-    Every rank must run the same forward passes (FSDP2 gathers each unit's weights in them), so a rank with fewer
-    micro-batches runs placeholders that add zero.
+    Every rank must run the same forward passes (FSDP2 gathers each unit's weights in them) and hand over the same
+    parameters in the same order, so a rank with fewer micro-batches runs placeholders that add zero.
 
     Args:
         device: where tensors for the backend live (the GPU for NCCL, the CPU for gloo).
     """
+
+    def check_settings(self, settings: DPSGDSettings) -> None:
+        """Refuse the settings a sharded step cannot honour (:func:`check_sharded_settings`)."""
+        check_sharded_settings(settings)
 
     def micro_batch_count(self, count: int) -> int:
         """The most micro-batches any rank has (one all-reduce)."""
@@ -50,18 +56,21 @@ class ShardedProcessGroup(ProcessGroup):
         return int(most.item())
 
     def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
-        """A whole-size buffer that noises and releases only this rank's shard of each parameter."""
+        """A buffer of this rank's rows of each parameter, filled by reduce-scatters."""
         return ShardedGradientBuffer(parameters, extra=extra, rank=self.rank, size=self.size)
 
     def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
-        """Sum the clipped sums over the ranks, then each rank noises its own shard from its own stream."""
-        self.all_reduce_sum(buffer.flat)
+        """The rows are already summed over the ranks: each rank noises its own from its own stream."""
+        self.all_reduce_sum(buffer.extra)
         if std:
             buffer.add_noise(std, generator(self.rank))
 
 
 class ShardedGradientBuffer(GradientBuffer):
-    """A :class:`GradientBuffer` whose noise and release cover only this rank's rows of each sharded parameter.
+    """A :class:`GradientBuffer` of this rank's rows of each sharded parameter, summed over the ranks.
+
+    While attached, every ``param.grad`` starts as ``None``: the engine forms one parameter's whole sum at a time,
+    and :meth:`receive` reduce-scatters it into the rows here.
 
     Args:
         parameters: the trainable parameters, each a ``DTensor`` sharded on dim 0 over a 1-D mesh.
@@ -71,31 +80,49 @@ class ShardedGradientBuffer(GradientBuffer):
     """
 
     def __init__(self, parameters: list[nn.Parameter], *, extra: int, rank: int, size: int) -> None:
+        for param in parameters:
+            _check_dim0_shard(param, rank, size)
         super().__init__(parameters, extra=extra)
-        self._rows = [_own_rows(param, rank, size) for param in parameters]
+        self._size = size
 
-    def add_noise(self, std: float, generator: torch.Generator) -> None:
-        """Add N(0, std²) to this rank's rows of every parameter (the other ranks noise theirs)."""
-        for view, rows in zip(self._views, self._rows, strict=True):
-            own = view[rows]
-            own.add_(torch.empty_like(own).normal_(0.0, std, generator=generator))
+    @staticmethod
+    def held_shape(param: nn.Parameter) -> torch.Size:
+        """The shape of this rank's shard of ``param`` (its local tensor)."""
+        return param.to_local().shape if isinstance(param, DTensor) else param.shape
+
+    def attach(self) -> None:
+        """Zero the buffer; every ``grad`` is ``None``, so the engine forms each whole sum for :meth:`receive`."""
+        self.flat.zero_()
+        for param in self._parameters:
+            param.grad = None
+
+    def receive(self, param: nn.Parameter) -> None:
+        """Reduce-scatter ``param``'s whole micro-batch sum over the ranks into this rank's rows, and free it."""
+        whole, param.grad = param.grad, None
+        view = self._views[self._index[id(param)]]
+        chunk = -(-param.shape[0] // self._size)  # FSDP2's dim-0 chunk: torch.chunk's size
+        padded = (chunk * self._size, *param.shape[1:])  # [W·chunk, ...]: W equal chunks, the last rows zero
+        if whole is not None and whole.shape == padded and whole.dtype == view.dtype and whole.is_contiguous():
+            stacked = whole
+        else:
+            stacked = view.new_zeros(padded)
+            if whole is not None:
+                stacked[: param.shape[0]] = whole
+        summed = view.new_empty((chunk, *param.shape[1:]))  # [chunk, ...]: this rank's chunk, summed over ranks
+        dist.reduce_scatter_single(summed, stacked)
+        view.add_(summed[: view.shape[0]])  # a short last shard holds fewer rows than the chunk
 
     def publish(self, scale: float) -> None:
-        """Divide this rank's rows by ``scale`` and hand them to each parameter as the gradient of its shard.
-
-        The other rows (sums of every rank's clipped gradients, noised by their own ranks only) are zeroed.
-        """
-        for param, view, rows in zip(self._parameters, self._views, self._rows, strict=True):
-            own = view[rows].div_(scale)
-            view[: rows.start].zero_()
-            view[rows.stop :].zero_()
+        """Divide this rank's rows by ``scale`` and hand them to each parameter as the gradient of its shard."""
+        for param, view in zip(self._parameters, self._views, strict=True):
+            own = view.div_(scale)
             param.grad = DTensor.from_local(
                 own.to(param.dtype), param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
             )
 
 
-def _own_rows(param: nn.Parameter, rank: int, size: int) -> slice:
-    """The rows of ``param`` this rank holds: FSDP2's dim-0 shard (``torch.chunk`` sizes, the last ones may be short)."""
+def _check_dim0_shard(param: nn.Parameter, rank: int, size: int) -> None:
+    """Refuse a ``param`` that is not FSDP2's dim-0 shard (``torch.chunk`` sizes, the last ones may be short)."""
     if not isinstance(param, DTensor) or tuple(param.placements) != (Shard(0),):
         raise ValueError(
             "a sharded DP step needs every trainable parameter sharded on dim 0 by FSDP2 fully_shard over one mesh "
@@ -111,4 +138,3 @@ def _own_rows(param: nn.Parameter, rank: int, size: int) -> slice:
             f"a sharded parameter of shape {tuple(param.shape)} holds {param.to_local().shape[0]} rows on rank {rank}, "
             f"not the {stop - start} of FSDP2's dim-0 chunks"
         )
-    return slice(start, stop)

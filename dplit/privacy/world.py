@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dplit.privacy.gradient_buffer import GradientBuffer
+from dplit.privacy.settings import DPSGDSettings
 
 T = TypeVar("T")
 
@@ -35,6 +36,10 @@ class World(Protocol):
 
     def all_agree(self, decision: bool) -> bool:
         """Whether every rank's ``decision`` is true."""
+        ...
+
+    def check_settings(self, settings: DPSGDSettings) -> None:
+        """Refuse (``ValueError``, one line naming the flag) settings this world cannot honour."""
         ...
 
     def micro_batch_count(self, count: int) -> int:
@@ -66,6 +71,9 @@ class SingleProcess:
     def all_agree(self, decision: bool) -> bool:
         """``decision`` itself."""
         return decision
+
+    def check_settings(self, settings: DPSGDSettings) -> None:
+        """Every setting runs in one process."""
 
     def micro_batch_count(self, count: int) -> int:
         """``count`` itself."""
@@ -110,6 +118,9 @@ class ProcessGroup:
         count = torch.tensor(int(decision), device=self._device)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         return int(count.item()) == self.size
+
+    def check_settings(self, settings: DPSGDSettings) -> None:
+        """Every setting runs on whole replicas."""
 
     def micro_batch_count(self, count: int) -> int:
         """``count`` itself: with whole replicas, each rank runs its own forward passes."""

@@ -36,6 +36,20 @@ def test_other_dtype_parameters_are_folded_in_at_fp32() -> None:
     torch.testing.assert_close(params[0].grad.float(), torch.tensor([0.25, 0.25]))
 
 
+def test_a_received_other_dtype_sum_is_folded_in_at_once_so_micro_batches_add_in_fp32() -> None:
+    params = [nn.Parameter(torch.ones(1, dtype=torch.bfloat16)), nn.Parameter(torch.ones(1))]
+    buffer = GradientBuffer(params)
+    buffer.attach()
+    for value in (1.0, 2.0**-8, 2.0**-8):  # in bf16, 1 + 2⁻⁸ rounds back to 1: a bf16 running sum would stay 1
+        params[0].grad = torch.tensor([value], dtype=torch.bfloat16)
+        buffer.receive(params[0])
+        assert params[0].grad is None
+        params[1].grad.add_(1.0)
+        buffer.receive(params[1])  # already a view into the buffer: it stays
+    torch.testing.assert_close(buffer.flat, torch.tensor([1.0 + 2.0**-7, 3.0]))
+    assert params[1].grad is not None
+
+
 def test_noise_has_the_asked_std_and_spares_the_extra_slots() -> None:
     params = [nn.Parameter(torch.zeros(100, 100)), nn.Parameter(torch.zeros(50_000))]
     buffer = GradientBuffer(params, extra=1)

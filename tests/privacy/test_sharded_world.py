@@ -45,6 +45,28 @@ def test_the_sharded_update_is_the_one_process_update_of_the_union_batch(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "policy"), CASES)
+def test_the_sharded_update_is_the_brute_force_clipped_mean(
+    ranks: list[dict[str, Any]], family: str, policy: str
+) -> None:
+    """One backward pass per example on whole weights, clipped to C and divided by B = qN: the same update."""
+    reference = ranks[0][f"{family}-{policy}-brute-force"]
+    for rank in ranks:
+        released = rank[f"{family}-{policy}"]
+        assert released.keys() == reference.keys()
+        for name, grad in released.items():
+            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.slow
+def test_each_rank_holds_about_half_the_state_of_a_whole_replica(ranks: list[dict[str, Any]]) -> None:
+    """Parameters, gradients (the clipped-sum buffer) and AdamW state, from the tensors' local sizes after a step."""
+    whole = ranks[0]["state-bytes-whole"]
+    for rank in ranks:
+        assert rank["state-bytes"] / whole <= 0.55
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "policy"), CASES)
 def test_a_rank_without_examples_runs_placeholders_that_add_nothing(
     ranks: list[dict[str, Any]], family: str, policy: str
 ) -> None:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from dplit.numbers import is_finite_number
 
 Batch = Mapping[str, Tensor]
 PerExampleLoss = Callable[[Batch], Tensor]
 """Maps a batch of B examples to the B per-example losses; example i's loss depends on example i only."""
+SummedHook = Callable[[nn.Parameter], None]
+"""``hook(param)``: called once a micro-batch's clipped sum is complete in ``param.grad`` (it may move it elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,26 @@ class ClippingEngine(ABC):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
         self._module = module
         self._max_grad_norm = float(max_grad_norm)
+        self._summed_hooks: OrderedDict[int, SummedHook] = OrderedDict()
+
+    def register_summed_hook(self, hook: SummedHook) -> RemovableHandle:
+        """Call ``hook(param)`` as soon as :meth:`accumulate` has added a micro-batch's sum to ``param.grad``.
+
+        Parameters are handed over one at a time, in the same order on every rank, so a hook may move the sum
+        elsewhere (e.g. reduce-scatter it into a shard and set ``param.grad = None``): no more than one
+        parameter's whole gradient need exist at once.
+
+        Returns:
+            A handle whose ``remove()`` unregisters the hook.
+        """
+        handle = RemovableHandle(self._summed_hooks)
+        self._summed_hooks[handle.id] = hook
+        return handle
+
+    def _summed(self, param: nn.Parameter) -> None:
+        """Hand ``param``'s completed sum to the registered hooks (every engine calls it once per parameter)."""
+        for hook in self._summed_hooks.values():
+            hook(param)
 
     @property
     def max_grad_norm(self) -> float:

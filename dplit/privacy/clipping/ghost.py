@@ -240,6 +240,7 @@ class GhostEngine(ClippingEngine):
         if _is_empty(batch):  # an empty (Poisson) micro-batch: nothing to run or clip
             for _, param in coverage.parameters.values():
                 add_to_grad(param, torch.zeros_like(param))
+                self._summed(param)
             empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
             return ClipStats(losses=empty, norms=empty)
         losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
@@ -257,11 +258,12 @@ class GhostEngine(ClippingEngine):
             for key, (_, param) in coverage.parameters.items():
                 if key in kept:
                     _add_kept_clipped_sum(param, kept.pop(key), factors, keep if dropped else None)
-                    continue
-                parameter_uses = uses.get(key, [])
-                if dropped:
-                    parameter_uses = [without_examples(use, keep) for use in parameter_uses]
-                _add_clipped_sum(param, parameter_uses, factors)
+                else:
+                    parameter_uses = uses.get(key, [])
+                    if dropped:
+                        parameter_uses = [without_examples(use, keep) for use in parameter_uses]
+                    _add_clipped_sum(param, parameter_uses, factors)
+                self._summed(param)
         return ClipStats(losses=losses.detach(), norms=norms)
 
     def parameter_norms(self, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor | None]:

@@ -74,4 +74,5 @@ class PerExampleEngine(ClippingEngine):
             g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
             g = torch.where(keep.reshape((-1,) + (1,) * (g.dim() - 1)), g, 0.0)
             add_to_grad(param, torch.einsum("b,b...->...", factors.to(g.dtype), g))
+            self._summed(param)
         return ClipStats(losses=losses.detach(), norms=norms.detach())

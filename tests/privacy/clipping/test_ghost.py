@@ -78,16 +78,6 @@ def lm(policy: EmbeddingPolicy, vocab: int = VOCAB) -> NextTokenLM:
     return NextTokenLM(policy, vocab).double()
 
 
-
-
-
-
-
-
-
-
-
-
 @pytest.mark.parametrize("policy", [TiedEmbeddings(), UntiedEmbeddings()], ids=["tied", "untied"])
 @pytest.mark.parametrize("head", ["label_words", "linear"])
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -164,6 +154,37 @@ def test_micro_batches_accumulate_into_grad() -> None:
     for name, param in model.named_parameters():
         if param.requires_grad:
             assert_close(param.grad, whole[name])
+
+
+@pytest.mark.parametrize("clipping", ["ghost", "per_example"])
+@pytest.mark.parametrize("policy", [TiedEmbeddings(), UntiedEmbeddings()], ids=["tied", "untied"])
+def test_the_summed_hook_takes_each_parameters_whole_sum_once(clipping: str, policy: EmbeddingPolicy) -> None:
+    """A hook that moves each sum away (as a shard's reduce-scatter does) gets every parameter once, complete."""
+    model = classifier(policy)
+    batch = padded_batch([3, 6, 2, 5], "left")
+    engine = build_engine(clipping, model, max_grad_norm=0.2)
+    taken: dict[int, list[Tensor]] = {}
+
+    def take(param: nn.Parameter) -> None:
+        taken.setdefault(id(param), []).append(param.grad.clone())
+        param.grad = None
+
+    handle = engine.register_summed_hook(take)
+    engine.accumulate(model.per_example_loss, batch)
+    names = {id(p): name for name, p in model.named_parameters() if p.requires_grad}
+    expected = clipped_sum(per_example_gradients(model, model.per_example_loss, batch), 0.2)
+    assert taken.keys() == names.keys() and all(len(sums) == 1 for sums in taken.values())
+    for key, (grad,) in taken.items():
+        assert_close(grad, expected[names[key]])
+    assert all(p.grad is None for p in model.parameters())
+    handle.remove()
+    engine.accumulate(model.per_example_loss, batch)
+    assert all(len(sums) == 1 for sums in taken.values()) and all(p.grad is not None for p in trainable(model))
+
+
+def trainable(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters of ``model``."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 @pytest.mark.parametrize("scale", [1e3, 1.0])
@@ -450,7 +471,11 @@ def test_in_place_op_on_an_embedding_output() -> None:
 def test_sdpa_attention_matches_brute_force() -> None:
     torch.manual_seed(0)
     model = GPT2Classifier(
-        config=TINY, vocab_size=VOCAB, embeddings=TiedEmbeddings(), label_word_ids=LABEL_WORDS, attn_implementation="sdpa"
+        config=TINY,
+        vocab_size=VOCAB,
+        embeddings=TiedEmbeddings(),
+        label_word_ids=LABEL_WORDS,
+        attn_implementation="sdpa",
     ).double()  # vmap (PerExampleEngine) cannot trace sdpa's mask; the ghost engine has no such limit
     batch = padded_batch([5, 1, 9, 3], "left")
     grads = per_example_gradients(model, model.per_example_loss, batch)
