@@ -34,7 +34,10 @@ def test_a_two_process_sharded_fit_trains_resumes_with_its_ledger_and_exports(tm
     assert first.returncode == 0, first.stderr[-3000:]
     assert ledger_steps(tmp_path) == 2 and "after 2 DP steps" in first.stdout
     resumed = run_dplit(
-        "fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "2"), "--ckpt_path", str(checkpoint_of(tmp_path))
+        "fit",
+        *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "2"),
+        "--ckpt_path",
+        str(checkpoint_of(tmp_path)),
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ledger_steps(tmp_path) == 4 and "after 4 DP steps" in resumed.stdout  # the checkpoint's 2 counted once
@@ -42,6 +45,16 @@ def test_a_two_process_sharded_fit_trains_resumes_with_its_ledger_and_exports(tm
     assert exported.returncode == 0, exported.stderr[-3000:]
     guarantee = json.loads((tmp_path / "out" / GUARANTEE_FILE).read_text())
     assert guarantee["steps"] == 4, guarantee
+
+
+def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """Saved whole (not per rank): two processes' checkpoint resumes on one, and its steps are counted once."""
+    first = run_dplit("fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "1"))
+    assert first.returncode == 0, first.stderr[-3000:]
+    one = [*SHARDED, "--trainer.devices", "1", "--trainer.max_epochs", "2"]
+    resumed = run_dplit("fit", *quickstart_args(tmp_path, *one), "--ckpt_path", str(checkpoint_of(tmp_path)))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ledger_steps(tmp_path) == 4 and "after 4 DP steps" in resumed.stdout
 
 
 def test_a_two_process_sharded_language_model_fit(tmp_path: Path) -> None:
@@ -61,7 +74,8 @@ def test_with_one_seed_and_no_noise_sharded_and_data_parallel_runs_reach_the_sam
     for strategy in ("DPStrategy", "ShardedDPStrategy"):
         run = tmp_path / strategy
         done = run_dplit(
-            "fit", *quickstart_args(run, *SHARDED, *exact, "--trainer.strategy.class_path", f"dplit.strategy.{strategy}")
+            "fit",
+            *quickstart_args(run, *SHARDED, *exact, "--trainer.strategy.class_path", f"dplit.strategy.{strategy}"),
         )
         assert done.returncode == 0, done.stderr[-3000:]
         weights[strategy] = torch.load(checkpoint_of(run), weights_only=True)["state_dict"]

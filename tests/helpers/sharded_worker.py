@@ -129,6 +129,11 @@ def run(rank: int, size: int, out: str, port: int) -> None:
     results["noise"] = released_gradients(
         noise_module, collate([]), ShardedProcessGroup(device=torch.device("cpu")), sigma=1.0, steps=NOISE_STEPS
     )
+    again = make_classifier("gpt2", "tied")
+    shard_task(again, mesh)  # a second run of the same setup, no seed: OS entropy again
+    results["noise-again"] = released_gradients(
+        again, collate([]), ShardedProcessGroup(device=torch.device("cpu")), sigma=1.0
+    )[0]
     results["state-bytes"] = state_bytes_after_a_step(_sharded_copy(make_classifier("gpt2", "untied"), mesh), mesh)
     if rank == 0:
         results["state-bytes-whole"] = state_bytes_after_a_step(make_classifier("gpt2", "untied"), None)

@@ -101,6 +101,15 @@ def test_the_ranks_noise_streams_are_independent(ranks: list[dict[str, Any]]) ->
     assert not torch.equal(weight[0], weight[1])  # a fresh generator every step
 
 
+@pytest.mark.slow
+def test_two_runs_of_one_setup_draw_different_noise(ranks: list[dict[str, Any]]) -> None:
+    """Without a seed each run's streams come from OS entropy: its first step differs in every shard."""
+    first, again = ranks[0]["noise"][0], ranks[0]["noise-again"]
+    for name, noise in first.items():
+        half = -(-noise.shape[0] // 2)
+        assert not torch.equal(noise[:half], again[name][:half]) and not torch.equal(noise[half:], again[name][half:])
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [({"clipping": "per_example"}, "clipping='per_example'"), ({"self_check": True}, "self_check=true")],
