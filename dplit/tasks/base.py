@@ -29,6 +29,7 @@ from dplit.backbone.adapters import (
     trainable_counts,
 )
 from dplit.backbone.causal_lm import build_causal_lm
+from dplit.backbone.checkpointing import enable_activation_checkpointing
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
@@ -76,6 +77,9 @@ class CausalLMModule(LightningModule, ABC):
             parameter, and some parameter must stay trainable.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
             engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
+        gradient_checkpointing: recompute each transformer block's activations in the backward pass instead of
+            keeping them (less memory for long sequences and large batches, about one more forward pass of
+            time); exact under the ghost engine, refused by ``clipping="per_example"``.
         lr: AdamW peak learning rate (finite, > 0).
         weight_decay: AdamW weight decay (≥ 0).
         betas: AdamW betas (each in [0, 1)).
@@ -100,6 +104,7 @@ class CausalLMModule(LightningModule, ABC):
         train_embeddings: bool | None = None,
         freeze: list[str] | None = None,
         attn_implementation: Literal["eager", "sdpa"] = "eager",
+        gradient_checkpointing: bool = False,
         lr: float = 5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -129,6 +134,8 @@ class CausalLMModule(LightningModule, ABC):
         )
         _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
+        if gradient_checkpointing:
+            enable_activation_checkpointing(self.backbone)
         if peft is not None:
             apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
         elif train_embeddings is not None:

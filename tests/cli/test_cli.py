@@ -57,6 +57,8 @@ def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path,
         assert cli.model.backbone.get_input_embeddings().weight.requires_grad
     if config.stem.startswith("qqp"):
         assert "val/f1" in cli.trainer.callback_metrics
+    if yaml.safe_load(config.read_text())["model"].get("gradient_checkpointing"):  # blocks recomputed in backward
+        assert cli.model.backbone.is_activation_checkpointing
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)

@@ -34,8 +34,9 @@ CLIP = 0.05
 """Small enough that most examples' gradients are clipped."""
 ROWS = {0: [0, 1, 2], 1: [3, 4]}
 """Which examples of the dataset each rank holds in the compared step (rank 0: two micro-batches, rank 1: one)."""
-CASES = [(family, policy) for family in ("gpt2", "llama") for policy in ("tied", "untied", "lora")]
-"""``lora``: rank-4 LoRA on the attention projections beside the trained tied embedding."""
+CASES = [(family, policy) for family in ("gpt2", "llama") for policy in ("tied", "untied", "lora", "checkpointed")]
+"""``lora``: rank-4 LoRA on the attention projections beside the trained tied embedding; ``checkpointed``: tied, with
+each block's activations recomputed in the backward pass (``model.gradient_checkpointing``)."""
 LORA_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
 NOISE_STEPS = 40
 
@@ -51,6 +52,7 @@ def make_classifier(family: str, policy: str) -> CausalLMClassifier:
         vocab_size=VOCAB,
         label_word_ids=LABEL_WORDS,
         embeddings=embeddings,
+        gradient_checkpointing=policy == "checkpointed",
         **(adapters if policy == "lora" else {}),
     ).double()
 

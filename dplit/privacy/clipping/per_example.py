@@ -37,7 +37,12 @@ class PerExampleEngine(ClippingEngine):
     """
 
     def check_parameters(self) -> None:
-        """Refuse a transformers model with sdpa attention, whose mask handling ``vmap`` cannot trace."""
+        """Refuse what ``vmap`` cannot trace: sdpa attention's mask handling, activation checkpointing."""
+        if any(getattr(sub, "is_activation_checkpointing", False) is True for sub in self._module.modules()):
+            raise ValueError(
+                "DPStrategy.clipping=per_example cannot run model.gradient_checkpointing=true (torch.func.vmap "
+                "cannot trace torch.utils.checkpoint): use DPStrategy.clipping=ghost or gradient_checkpointing=false"
+            )
         for sub in self._module.modules():
             if getattr(getattr(sub, "config", None), "_attn_implementation", None) == "sdpa":
                 raise ValueError(

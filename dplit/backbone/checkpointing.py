@@ -1,0 +1,25 @@
+"""Activation checkpointing: each transformer block's activations are recomputed in the backward pass.
+
+transformers' own switch (``activation_checkpointing_enable``), always non-reentrant: the recomputed forward runs
+with autograd on, so the ghost engine's hooks see every use of a weight again and pair each recomputed
+activation with its own output gradient (a reentrant checkpoint runs the first forward under ``no_grad``, which
+the engine refuses). Blocks are recomputed in training mode only.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedModel
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute ``model``'s transformer blocks in the backward pass (non-reentrant ``torch.utils.checkpoint``).
+
+    Raises:
+        ValueError: naming ``model.gradient_checkpointing`` when the family does not support it.
+    """
+    if not getattr(model, "supports_gradient_checkpointing", False):  # transformers 5 keeps this attribute's name
+        raise ValueError(
+            f"model.gradient_checkpointing=true: {type(model).__name__} does not support activation checkpointing "
+            "in transformers; set it to false"
+        )
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

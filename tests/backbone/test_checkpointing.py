@@ -1,0 +1,82 @@
+"""model.gradient_checkpointing: recomputed blocks give the same per-example norms and clipped sums (float64, σ = 0)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
+from dplit.privacy.clipping import build_engine
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.tasks.base import CausalLMModule
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
+from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
+from tests.helpers.families import FAMILIES, VOCAB, instruction_batch
+from tests.helpers.oracles import assert_close, padded_batch, run
+from tests.helpers.tiny import TINY_GPT2
+
+CONFIGS = {"gpt2": TINY_GPT2 | {"n_positions": 64}, "llama": FAMILIES["llama"]}
+LORA_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
+CLIP = 0.05
+"""Small enough that every example is clipped."""
+
+
+def task(kind: str, family: str, policy: str, *, checkpointing: bool) -> CausalLMModule:
+    """A tiny float64 classifier or language model in training mode (seed 0: the same weights either way)."""
+    torch.manual_seed(0)
+    adapters = {"peft": LoraConfig(r=4, target_modules=LORA_TARGETS[family]), "train_embeddings": True}
+    common = {
+        "config": CONFIGS[family],
+        "vocab_size": VOCAB,
+        "embeddings": UntiedEmbeddings() if policy == "untied" else TiedEmbeddings(),
+        "gradient_checkpointing": checkpointing,
+        **(adapters if policy == "lora" else {}),
+    }
+    if kind == "classifier":
+        return CausalLMClassifier(label_word_ids=[3, 7], **common).double().train()
+    return CausalLanguageModel(**common).double().train()
+
+
+def batch_for(kind: str) -> dict[str, torch.Tensor]:
+    """Right-padded examples of different lengths."""
+    return padded_batch([5, 9, 2, 7], "right", vocab=VOCAB) if kind == "classifier" else instruction_batch("right")
+
+
+@pytest.mark.parametrize("kind", ["classifier", "language_model"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("policy", ["tied", "untied", "lora"])
+def test_recomputed_blocks_give_the_same_norms_and_clipped_sum(kind: str, family: str, policy: str) -> None:
+    """With checkpointing: equal to the same step without it and to one backward pass per example."""
+    batch = batch_for(kind)
+    checkpointed, plain = (task(kind, family, policy, checkpointing=on) for on in (True, False))
+    assert any(getattr(m, "is_activation_checkpointing", False) for m in checkpointed.modules())
+    stats, grads = run(
+        GhostEngine(checkpointed, max_grad_norm=CLIP), checkpointed, checkpointed.per_example_loss, batch
+    )
+    plain_stats, plain_grads = run(GhostEngine(plain, max_grad_norm=CLIP), plain, plain.per_example_loss, batch)
+    examples = per_example_gradients(checkpointed, checkpointed.per_example_loss, batch)
+    assert_close(stats.norms, plain_stats.norms)
+    assert_close(stats.norms, gradient_norms(examples))
+    assert bool((stats.norms > CLIP).all())
+    expected = clipped_sum(examples, CLIP)
+    assert grads.keys() == plain_grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert_close(grad, plain_grads[name])
+        assert_close(grad, expected[name])
+
+
+def test_the_per_example_engine_refuses_checkpointing_in_one_line() -> None:
+    model = task("classifier", "gpt2", "tied", checkpointing=True)
+    with pytest.raises(ValueError, match="gradient_checkpointing=true") as refused:
+        build_engine("per_example", model, max_grad_norm=1.0).check_parameters()
+    assert "\n" not in str(refused.value)
+
+
+def test_evaluation_does_not_recompute() -> None:
+    """Blocks are recomputed only in training: evaluation gives the same logits as a model without checkpointing."""
+    batch = batch_for("classifier")
+    checkpointed, plain = (task("classifier", "llama", "tied", checkpointing=on).eval() for on in (True, False))
+    with torch.no_grad():
+        torch.testing.assert_close(checkpointed.per_example_loss(batch), plain.per_example_loss(batch))
