@@ -35,7 +35,8 @@ from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
 Q = BATCH_SIZE / TRAIN_SIZE  # the global Poisson rate: data.batch_size is the global expected batch
-EXACT = ["exact_untied", "exact_tied", "exact_tied_ghost"]
+EXACT = ["exact_untied", "exact_tied", "exact_tied_ghost", "exact_tied_checkpointed"]
+"""σ = 0: two processes reach the one-process weights (``checkpointed``: recomputed blocks, against a plain model)."""
 NOISY = ["noisy_untied", "noisy_tied_ghost"]
 SCENARIOS: list[dict[str, Any]] = [
     {"name": "exact_untied", "policy": "untied", "noise_multiplier": 0.0, "max_steps": 3, "max_physical_batch_size": 2},
@@ -49,6 +50,14 @@ SCENARIOS: list[dict[str, Any]] = [
         "canaries": 40,
     },
     {"name": "exact_tied_ghost", "policy": "tied", "clipping": "ghost", "noise_multiplier": 0.0, "max_steps": 3},
+    {
+        "name": "exact_tied_checkpointed",
+        "policy": "tied",
+        "clipping": "ghost",
+        "checkpointing": True,
+        "noise_multiplier": 0.0,
+        "max_steps": 3,
+    },
     {
         "name": "noisy_untied",
         "policy": "untied",

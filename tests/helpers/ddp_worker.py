@@ -35,11 +35,17 @@ COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_in
 TRAIN_SIZE, BATCH_SIZE = 64, 16
 
 
-def build_model(policy: str, seed: int) -> GPT2Classifier:
-    """The tiny float64 classifier, initialised from ``seed``."""
+def build_model(policy: str, seed: int, *, checkpointing: bool = False) -> GPT2Classifier:
+    """The tiny float64 classifier, initialised from ``seed`` (``checkpointing``: blocks recomputed in backward)."""
     torch.manual_seed(seed)
     embeddings = TiedEmbeddings() if policy == "tied" else UntiedEmbeddings()
-    model = GPT2Classifier(config=TINY_GPT2, vocab_size=VOCAB, label_word_ids=LABEL_WORDS, embeddings=embeddings)
+    model = GPT2Classifier(
+        config=TINY_GPT2,
+        vocab_size=VOCAB,
+        label_word_ids=LABEL_WORDS,
+        embeddings=embeddings,
+        gradient_checkpointing=checkpointing,
+    )
     return model.double()
 
 
@@ -132,7 +138,8 @@ class Recorder(Callback):
 def run(scenario: dict[str, Any], out: Path, counter: CollectiveCounter) -> None:
     """Fit one scenario on this rank and save what it saw."""
     rank, name = int(os.environ["RANK"]), scenario["name"]
-    model = build_model(scenario.get("policy", "untied"), seed=100 + rank)  # ranks start from different weights
+    policy, checkpointing = scenario.get("policy", "untied"), scenario.get("checkpointing", False)
+    model = build_model(policy, seed=100 + rank, checkpointing=checkpointing)  # ranks start from different weights
     initial = _state(model)
     audit = {"canaries": scenario["canaries"], "canary_seed": 0} if scenario.get("canaries") else {}
     strategy = (CanaryDPStrategy if audit else DPStrategy)(
