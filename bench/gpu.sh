@@ -3,15 +3,18 @@
 #   tests          python -m pytest -m gpu: bf16-mixed ghost clipping vs the fp32 reference on CUDA, DPStrategy on
 #                  one GPU with NCCL, CUDA peak-memory logging                                        (90 s)
 #   bench_gpt2     bench.run, GPT-2 size, B=16, T=128, bf16-mixed: non-private tied/untied, dplit ghost
-#                  tied/untied, dplit per-example tied, opacus ghost untied                           (120 s)
+#                  tied/untied, dplit per-example tied, opacus ghost untied                            (80 s)
 #   bench_smollm2  the same rows at SmolLM2-135M's shape, B=16, T=64                                  (130 s)
 #   tying          bench.tying, one seed at ε = 8 on real SST-2 with SmolLM2-135M-Instruct (GGUF from
 #                  $DPLIT_DATA_DIR): the DP tied and DP untied arms; 4096 train rows, B=512, 1 epoch  (170 s)
+#   fsdp_smoke     bench.fsdp at SmolLM2-135M's shape on CUDA with NCCL, B=8, T=64: sharded DP-SGD (FSDP2),
+#                  DP-SGD on whole replicas, non-private FSDP, at world size 1; with 2+ GPUs also world
+#                  size 2 (into fsdp_smoke/world2/)                                                    (40 s)
 # Each part runs under `timeout` with its own budget, capped by what is left of DPLIT_GPU_TOTAL_S (525 s).
 # Writes bench/results/gpu/ (or $DPLIT_GPU_OUT): summary.md and summary.json (each part's status, exit code,
 # wall time and budget, the machine: nvidia-smi, torch, CUDA), machine.json, each part's console log
-# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/). Bulky scratch (Lightning logs, the
-# dequantised checkpoint) goes to bench/out/gpu/ (git-ignored; $DPLIT_GPU_WORK).
+# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/, fsdp_smoke/). Bulky scratch (Lightning
+# logs, the dequantised checkpoint) goes to bench/out/gpu/ (git-ignored; $DPLIT_GPU_WORK).
 # Without CUDA every part is skipped with the reason in the summary, in a few seconds, exit 0; such a run never
 # replaces the summary of an earlier GPU run in the default folder (it writes bench/out/gpu/cpu-check/).
 #
@@ -19,7 +22,7 @@
 #       bash benchmarks/gpu.sh           (the documented command: a wrapper that runs this script)
 # Each part runs in the repository root, as `python -m bench.<name>` or `python -m pytest`.
 # Env:  PYTHON (python), DPLIT_DATA_DIR (default ../shared/data, else shared/data), DPLIT_GPU_OUT, DPLIT_GPU_WORK,
-#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING (seconds per part)
+#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP (seconds per part)
 set -uo pipefail
 
 CALLER_DIR=$PWD
@@ -33,9 +36,10 @@ TOTAL=${DPLIT_GPU_TOTAL_S:-525}
 GRACE=10  # seconds a part gets after SIGTERM before SIGKILL (counted inside the total)
 declare -A BUDGET=(
   [tests]=${DPLIT_GPU_BUDGET_TESTS:-90}
-  [bench_gpt2]=${DPLIT_GPU_BUDGET_GPT2:-120}
+  [bench_gpt2]=${DPLIT_GPU_BUDGET_GPT2:-80}
   [bench_smollm2]=${DPLIT_GPU_BUDGET_SMOLLM2:-130}
   [tying]=${DPLIT_GPU_BUDGET_TYING:-170}
+  [fsdp_smoke]=${DPLIT_GPU_BUDGET_FSDP:-40}
 )
 BENCH_CONFIGS=(non_private:untied non_private:tied dplit_ghost:untied dplit_ghost:tied dplit_per_example:tied
                opacus_ghost:untied)
@@ -127,10 +131,10 @@ if (( ! CUDA )) && [[ -z ${DPLIT_GPU_OUT:-} && -f $OUT/summary.json ]] \
 fi
 mkdir -p "$OUT" || exit 2
 for name in summary.json summary.md machine.json nvidia-smi.txt parts.tsv tests.log tests.junit.xml \
-            bench_gpt2.log bench_smollm2.log tying.log; do
+            bench_gpt2.log bench_smollm2.log tying.log fsdp_smoke.log; do
   rm -f -- "${OUT:?}/$name"
 done
-rm -rf -- "${OUT:?}/bench_gpt2" "${OUT:?}/bench_smollm2" "${OUT:?}/tying"
+rm -rf -- "${OUT:?}/bench_gpt2" "${OUT:?}/bench_smollm2" "${OUT:?}/tying" "${OUT:?}/fsdp_smoke"
 mv "$PROBE" "$OUT/machine.json"
 command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
@@ -215,7 +219,8 @@ for line in (out / "parts.tsv").read_text().splitlines():
     part["log"], part["reason"] = part["log"] or None, part["reason"] or None
     part["command"] = part["command"].replace(os.environ["SUMMARY_ROOT"] + "/", "") or None  # paths in the checkout
     folder = out / part["name"]
-    part["results"] = sorted(str(p.relative_to(out)) for p in folder.glob("*.md")) if folder.is_dir() else []
+    pages = [*folder.glob("*.md"), *folder.glob("world*/*.md")] if folder.is_dir() else []  # fsdp_smoke/world2/
+    part["results"] = sorted(str(p.relative_to(out)) for p in pages)
     parts.append(part)
     junit = out / "tests.junit.xml"
     if part["name"] == "tests" and junit.is_file():
@@ -290,11 +295,25 @@ bench_command() {  # part model seq_len row_timeout: sets CMD to bench.run for t
        --configs "${BENCH_CONFIGS[@]}" --warmup 3 --steps 5 --timeout "$4" --out "$OUT/$1" --logs "$OUT/$1/logs")
 }
 
+fsdp_command() {  # sets CMD to bench.fsdp on CUDA at world size 1, and also 2 where there are 2+ GPUs
+  local run=("$PYTHON" -m bench.fsdp --size smollm2 --batch-size 8 --seq-len 64 --warmup 1 --steps 2 --device cuda)
+  local gpus
+  gpus=$("$PYTHON" -c 'import json, sys; print(len(json.load(open(sys.argv[1])).get("cuda_devices") or []))' \
+    "$OUT/machine.json" 2>/dev/null || echo 0)
+  if (( gpus >= 2 )); then  # one after the other in one part: world size 1 into fsdp_smoke/, 2 into world2/
+    CMD=(bash -c '"$@" --world-size 1 --out "$0" && "$@" --world-size 2 --out "$0/world2"' "$OUT/fsdp_smoke"
+         "${run[@]}")
+  else
+    CMD=("${run[@]}" --world-size 1 --out "$OUT/fsdp_smoke")
+  fi
+}
+
 part() {  # name: sets CMD to the part's command
   case $1 in
     tests) CMD=("$PYTHON" -m pytest -m gpu -q -n 0 --junitxml="$OUT/tests.junit.xml") ;;  # one process: one GPU
     bench_gpt2) bench_command bench_gpt2 gpt2 128 60 ;;
     bench_smollm2) bench_command bench_smollm2 smollm2 64 70 ;;
+    fsdp_smoke) fsdp_command ;;
     tying) CMD=("$PYTHON" -m bench.tying --full --seeds 0 --epsilons 8 --arms dp_tied dp_untied
                 --train-examples 4096 --epochs 1 --batch-size 512 --physical-batch-size 128 --accelerator gpu
                 --precision bf16-mixed --timeout 75 --data-root "$DATA" --out "$OUT/tying" --logs "$WORK/tying/runs") ;;
@@ -315,7 +334,7 @@ after_tying() {  # each arm's console output beside the results (the Lightning l
 }
 
 echo "dplit gpu.sh: results in $OUT; budget ${TOTAL} s"
-for name in tests bench_gpt2 bench_smollm2 tying; do
+for name in tests bench_gpt2 bench_smollm2 tying fsdp_smoke; do
   part "$name"
   if (( ! CUDA )); then
     skip "$name" "$NO_CUDA_REASON" "${CMD[@]}"
