@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
-from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    CONFIG_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    BitsAndBytesConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from dplit.backbone.quantization import keep_weights_as_loaded
 from dplit.numbers import is_finite_number
 
 DROPOUT_SETTINGS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
@@ -33,6 +42,7 @@ def build_causal_lm(
     vocab_size: int | None,
     dropout: float | None,
     attn_implementation: str,
+    quantization: BitsAndBytesConfig | None = None,
 ) -> PreTrainedModel:
     """A causal LM in float32, from a checkpoint or, for tests, from a config with random weights.
 
@@ -43,6 +53,8 @@ def build_causal_lm(
         vocab_size: the tokenizer's size; sets a config-built vocabulary, is checked against a checkpoint's.
         dropout: overrides every dropout probability of the config (``None`` keeps the checkpoint's).
         attn_implementation: transformers attention kernel (``"eager"`` or ``"sdpa"``).
+        quantization: bitsandbytes quantisation of a ``pretrained`` model's linear layers as they load (the rest
+            stays float32).
 
     Raises:
         ValueError: naming ``model.pretrained`` / ``model.config`` / ``model.gguf_file`` when they do not load.
@@ -57,7 +69,7 @@ def build_causal_lm(
         model = _random_model(dict(config or {}), vocab_size, dropout, attn_implementation)
         refuse_rewritten_rope(model, "model.config")
         return model
-    model = _pretrained_model(pretrained, gguf_file, dropout, attn_implementation)
+    model = _pretrained_model(pretrained, gguf_file, dropout, attn_implementation, quantization)
     refuse_rewritten_rope(model, f"model.pretrained={pretrained!r}")
     rows = model.get_input_embeddings().weight.shape[0]
     if vocab_size is not None and vocab_size > rows:
@@ -200,7 +212,11 @@ def check_probability(flag: str, value: object) -> None:
 
 
 def _pretrained_model(
-    pretrained: str, gguf_file: str | None, dropout: float | None, attn_implementation: str
+    pretrained: str,
+    gguf_file: str | None,
+    dropout: float | None,
+    attn_implementation: str,
+    quantization: BitsAndBytesConfig | None,
 ) -> PreTrainedModel:
     source = {"gguf_file": gguf_file} if gguf_file is not None else {}
     if gguf_file is not None:
@@ -216,10 +232,20 @@ def _pretrained_model(
     except OSError as error:
         raise ValueError(unloadable_message(pretrained, "model.pretrained", error)) from error
     _set_dropout(config, dropout)
+    if quantization is not None:  # loaded where it will train: a quantised model is moved, never re-quantised
+        source.update(quantization_config=quantization, device_map=_quantized_device())
     model = AutoModelForCausalLM.from_pretrained(
         pretrained, config=config, attn_implementation=attn_implementation, dtype=torch.float32, **source
     )
+    keep_weights_as_loaded(model)
     return model.train()  # from_pretrained returns eval mode; Lightning switches modes from here
+
+
+def _quantized_device() -> dict[str, Any]:
+    """The ``device_map`` of a quantised base: this process's GPU (``LOCAL_RANK``), else the CPU."""
+    if torch.cuda.is_available():
+        return {"": int(os.environ.get("LOCAL_RANK", "0"))}
+    return {"": "cpu"}
 
 
 def _set_dropout(config: PretrainedConfig, dropout: float | None) -> None:

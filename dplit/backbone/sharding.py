@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from transformers import PreTrainedModel
 
+from dplit.backbone.quantization import quantized_modules
+
 
 def shard_task(task: nn.Module, mesh: DeviceMesh, *, entry_points: tuple[str, ...] = ()) -> None:
     """Shard ``task.backbone``'s transformer blocks, one unit each, then ``task`` as the root unit.
@@ -25,6 +27,7 @@ def shard_task(task: nn.Module, mesh: DeviceMesh, *, entry_points: tuple[str, ..
         entry_points: methods of ``task`` besides ``forward`` that reach the backbone (e.g. text generation): the
             root's weights are gathered around them too.
     """
+    refuse_quantized_base(task)
     for tensor in [*task.parameters(), *task.buffers()]:
         dist.broadcast(tensor.data, src=0, group=mesh.get_group())
     backbone: nn.Module = task.backbone
@@ -33,6 +36,16 @@ def shard_task(task: nn.Module, mesh: DeviceMesh, *, entry_points: tuple[str, ..
     fully_shard(task, mesh=mesh, reshard_after_forward=True)  # the root too: outside a step, every weight is a shard
     for name in entry_points:
         register_fsdp_forward_method(task, name)
+
+
+def refuse_quantized_base(task: nn.Module) -> None:
+    """Refuse a bitsandbytes-quantised base in one line: FSDP2 cannot shard its packed integer weights."""
+    layer = next((name for name, _ in quantized_modules(task)), None)
+    if layer is not None:
+        raise ValueError(
+            f"model.quantization cannot be sharded by FSDP2 (dplit.strategy.ShardedDPStrategy; {layer} is quantised): "
+            "train a quantised base with dplit.strategy.DPStrategy"
+        )
 
 
 def transformer_blocks(backbone: nn.Module) -> list[nn.Module]:

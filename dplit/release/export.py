@@ -60,6 +60,11 @@ def export_checkpoint(
         trained.guarantee["data_source"] = data_description
     if adapter_only:
         _check_adapter_only(trained)
+    elif trained.hparams.get("quantization"):
+        raise ValueError(
+            "the run's base is quantised (model.quantization): export its adapters with --adapter_only, and merge "
+            "them onto the float base if you need one model (PeftModel.from_pretrained(base, folder).merge_and_unload())"
+        )
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(_umask_mode(0o777))  # mkdtemp makes it 0700; a model meant for sharing follows the umask
     try:

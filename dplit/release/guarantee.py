@@ -103,6 +103,7 @@ def _training_facts(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {
         "base_model": public_name(model.get("pretrained")) or "randomly initialised from model.config",
         "base_model_gguf_file": model.get("gguf_file"),
+        "base_model_quantization": quantization_summary(model.get("quantization")),
         "embedding_policy": release.get("embeddings"),
         "tied_embeddings": release.get("tied"),
         "adapters": peft.get("class_path") if isinstance(peft, dict) else None,
@@ -111,6 +112,17 @@ def _training_facts(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "dplit_version": release.get("dplit_version"),
         "dplit_commit": release.get("dplit_commit"),
     }
+
+
+def quantization_summary(settings: dict[str, Any] | None) -> str | None:
+    """``model.quantization`` in a few words (e.g. ``bitsandbytes 4-bit nf4, compute bfloat16``), ``None`` without."""
+    if not settings:
+        return None
+    if settings.get("load_in_8bit"):
+        return "bitsandbytes 8-bit (LLM.int8)"
+    kind = settings.get("bnb_4bit_quant_type", "fp4")
+    double = ", double quantisation" if settings.get("bnb_4bit_use_double_quant") else ""
+    return f"bitsandbytes 4-bit {kind}, compute {settings.get('bnb_4bit_compute_dtype', 'float32')}{double}"
 
 
 def data_source(data: dict[str, Any]) -> str:
@@ -222,6 +234,7 @@ _FACTS = (
     ("data_source", "data source"),
     ("base_model", "base model"),
     ("base_model_gguf_file", "base model GGUF file"),
+    ("base_model_quantization", "base model quantisation (frozen, trained on)"),
     ("dplit_version", "dplit version"),
     ("dplit_commit", "dplit commit"),
     ("run_id", "run id"),

@@ -13,9 +13,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dplit.backbone.embeddings import EmbeddingPolicy
+from dplit.backbone.quantization import add_quantized_weights
 from dplit.privacy.history import history_in_checkpoint
 from dplit.release.checkpoint import read_checkpoint
-from dplit.release.guarantee import guarantee_of
+from dplit.release.guarantee import guarantee_of, quantization_summary
 from dplit.release.provenance import RELEASE_KEY
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
 
@@ -62,6 +63,7 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
     hparams = dict(checkpoint["hyper_parameters"])
     data_hparams = dict(checkpoint.get("datamodule_hyper_parameters") or {})
     module = _rebuilt(_imported(record["module"]), hparams, _policy(record["embeddings"]), checkpoint.get(BACKBONE_KEY))
+    add_quantized_weights(module, checkpoint["state_dict"])  # a quantised base's: reloaded, never saved
     module.load_state_dict(checkpoint["state_dict"], strict=True)
     module.privacy_history = history_in_checkpoint(checkpoint)
     if TOKENIZER_KEY in checkpoint:
@@ -86,7 +88,12 @@ def _rebuilt(
     """
     accepted = module_class.argument_names()  # a task's own and, through **kwargs, CausalLMModule's
     arguments = {key: value for key, value in hparams.items() if key in accepted}  # not LightningCLI's _instantiator
-    if backbone_config is not None:
+    if arguments.get("quantization"):
+        rank_zero_info(
+            f"the checkpoint's base is quantised and was not saved in it: loading model.pretrained="
+            f"{arguments['pretrained']!r} again ({quantization_summary(arguments['quantization'])})"
+        )
+    elif backbone_config is not None:
         arguments.update(pretrained=None, gguf_file=None, config=config_arguments(backbone_config), vocab_size=None)
     elif arguments.get("pretrained") is not None:
         rank_zero_info(

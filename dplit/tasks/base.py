@@ -31,6 +31,13 @@ from dplit.backbone.adapters import (
 from dplit.backbone.causal_lm import build_causal_lm
 from dplit.backbone.checkpointing import enable_activation_checkpointing
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
+from dplit.backbone.quantization import (
+    add_quantized_weights,
+    check_quantization_source,
+    drop_quantized_weights,
+    quantization_config,
+    refuse_trainable_quantized,
+)
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
@@ -77,6 +84,10 @@ class CausalLMModule(LightningModule, ABC):
             parameter, and some parameter must stay trainable.
         attn_implementation: transformers attention kernel: ``"eager"`` (default; works with every clipping
             engine) or ``"sdpa"`` (faster on GPU; not traceable by ``clipping="per_example"``'s vmap).
+        quantization: a transformers ``BitsAndBytesConfig`` as a dict (``{load_in_4bit: true, bnb_4bit_quant_type:
+            nf4, bnb_4bit_compute_dtype: bfloat16}``, or ``{load_in_8bit: true}``): the base from ``pretrained`` is
+            loaded quantised and frozen (QLoRA; needs ``peft`` and the ``bitsandbytes`` package). Its quantised
+            weights are left out of checkpoints and reloaded from ``pretrained``.
         gradient_checkpointing: recompute each transformer block's activations in the backward pass instead of
             keeping them (less memory for long sequences and large batches, about one more forward pass of
             time); exact under the ghost engine, refused by ``clipping="per_example"``.
@@ -104,6 +115,7 @@ class CausalLMModule(LightningModule, ABC):
         train_embeddings: bool | None = None,
         freeze: list[str] | None = None,
         attn_implementation: Literal["eager", "sdpa"] = "eager",
+        quantization: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         lr: float = 5e-4,
         weight_decay: float = 0.0,
@@ -124,6 +136,8 @@ class CausalLMModule(LightningModule, ABC):
         self.privacy_history = PrivacyHistory(inherited_segments(pretrained))
         self._step_hooks: list[Any] = []
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
+        if quantization is not None:
+            check_quantization_source(pretrained=pretrained, gguf_file=gguf_file, peft=peft)
         self.backbone = build_causal_lm(
             pretrained=pretrained,
             gguf_file=gguf_file,
@@ -131,6 +145,7 @@ class CausalLMModule(LightningModule, ABC):
             vocab_size=vocab_size,
             dropout=dropout,
             attn_implementation=attn_implementation,
+            quantization=quantization_config(quantization) if quantization is not None else None,
         )
         _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
@@ -192,6 +207,7 @@ class CausalLMModule(LightningModule, ABC):
                     param.requires_grad_(False)
         if not any(p.requires_grad for p in self.parameters()):
             raise ValueError(nothing_to_train(prefixes, also_frozen_by))
+        refuse_trainable_quantized(self)
 
     @override
     def configure_model(self) -> None:
@@ -226,6 +242,8 @@ class CausalLMModule(LightningModule, ABC):
         (Lightning's FSDP2 strategy restores after setup) holds it, and must count what the weights carry.
         """
         self.privacy_history.load_state_dict(history_in_checkpoint(checkpoint).state_dict())
+        if "state_dict" in checkpoint:  # (Lightning's FSDP2 loader takes the weights out before this hook)
+            add_quantized_weights(self, checkpoint["state_dict"])  # saved without them: the base's, reloaded
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -242,6 +260,7 @@ class CausalLMModule(LightningModule, ABC):
         tokenizer = getattr(datamodule, "tokenizer", None)
         if isinstance(tokenizer, PreTrainedTokenizerBase):
             checkpoint[TOKENIZER_KEY] = tokenizer_files(tokenizer)
+        drop_quantized_weights(self, checkpoint["state_dict"])  # the frozen base's: model.pretrained holds them
         record_digest(checkpoint, "state_dict")
         record_digest(checkpoint, HISTORY_KEY)
 

@@ -18,6 +18,7 @@ from tests.helpers.commands import (
     GLUE_FILES,
     config_task,
     glue_args,
+    is_quantized,
     is_sharded,
     quickstart_args,
     steps,
@@ -25,7 +26,9 @@ from tests.helpers.commands import (
 from tests.helpers.executable import dplit_executable, user_environment
 
 GLUE_CONFIGS = sorted(
-    p for p in CONFIGS.glob("*.yaml") if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES and not is_sharded(p)
+    p
+    for p in CONFIGS.glob("*.yaml")
+    if yaml.safe_load(p.read_text())["data"].get("task") in GLUE_FILES and not is_sharded(p) and not is_quantized(p)
 )  # the sharded ones need two processes: tests/test_sharded_strategy.py
 
 

@@ -58,6 +58,11 @@ def is_sharded(config: Path) -> bool:
     return isinstance(strategy, dict) and strategy.get("class_path") == "dplit.strategy.ShardedDPStrategy"
 
 
+def is_quantized(config: Path) -> bool:
+    """Whether a shipped config loads a quantised base (its tests need a local ``model.pretrained`` folder)."""
+    return bool(yaml.safe_load(config.read_text())["model"].get("quantization"))
+
+
 def config_task(config: Path) -> str:
     """The GLUE task a shipped config trains on."""
     return yaml.safe_load(config.read_text())["data"]["task"]
