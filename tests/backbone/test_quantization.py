@@ -17,6 +17,7 @@ from dplit.backbone.quantization import is_quantized, keep_weights_as_loaded
 from dplit.backbone.sharding import shard_task
 from dplit.cli.lightning_cli import run_cli
 from dplit.data.tokenizer import load_tokenizer
+from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
@@ -207,4 +208,11 @@ def test_a_quantised_base_is_not_sharded(folders: dict[str, Path]) -> None:
     """FSDP2 cannot shard bitsandbytes' packed weights: refused in one line before any collective."""
     with pytest.raises(ValueError, match="model.quantization cannot be sharded by FSDP2") as refused:
         shard_task(qlora_classifier(folders["tied"], "tied", NF4), mesh=None)  # type: ignore[arg-type]
+    assert "\n" not in str(refused.value)
+
+
+def test_the_per_example_engine_refuses_a_quantised_base_at_setup(folders: dict[str, Path]) -> None:
+    engine = build_engine("per_example", qlora_classifier(folders["tied"], "tied", NF4), max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="clipping=per_example cannot run model.quantization") as refused:
+        engine.check_parameters()
     assert "\n" not in str(refused.value)

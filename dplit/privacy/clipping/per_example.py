@@ -37,7 +37,12 @@ class PerExampleEngine(ClippingEngine):
     """
 
     def check_parameters(self) -> None:
-        """Refuse what ``vmap`` cannot trace: sdpa attention's mask handling, activation checkpointing."""
+        """Refuse what ``vmap`` cannot trace: sdpa attention's mask handling, checkpointing, a quantised base."""
+        if any(type(p).__name__ in ("Params4bit", "Int8Params") for p in self._module.parameters()):
+            raise ValueError(
+                "DPStrategy.clipping=per_example cannot run model.quantization (torch.func.vmap cannot trace "
+                "bitsandbytes' quantised matmuls): use DPStrategy.clipping=ghost"
+            )
         if any(getattr(sub, "is_activation_checkpointing", False) is True for sub in self._module.modules()):
             raise ValueError(
                 "DPStrategy.clipping=per_example cannot run model.gradient_checkpointing=true (torch.func.vmap "
