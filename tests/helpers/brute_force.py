@@ -31,3 +31,23 @@ def clipped_sum(grads: list[dict[str, Tensor]], max_grad_norm: float) -> dict[st
     norms = gradient_norms(grads)
     factors = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return {name: sum(f * eg[name] for f, eg in zip(factors, grads, strict=True)) for name in grads[0]}
+
+
+def per_unit_gradients(
+    module: nn.Module, loss_fn: PerExampleLoss, batch: Batch, units: Tensor
+) -> list[dict[str, Tensor]]:
+    """Each privacy unit's (user's) full gradient: one backward pass of the sum of its rows' losses, in unit order.
+
+    Units are taken in order of first appearance in ``units`` [B] (as the engines number them).
+    """
+    params = {name: p for name, p in module.named_parameters() if p.requires_grad}
+    order = list(dict.fromkeys(units.tolist()))
+    grads = []
+    for label in order:
+        rows = (units == label).nonzero().flatten()
+        loss = loss_fn({key: value[rows] for key, value in batch.items()}).sum()
+        grad = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        grads.append(
+            {n: g if g is not None else torch.zeros_like(params[n]) for n, g in zip(params, grad, strict=True)}
+        )
+    return grads

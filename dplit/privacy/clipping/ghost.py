@@ -49,6 +49,7 @@ from dplit.privacy.clipping.parameter_norms import (
     parameter_squared_norm,
     stacked_squared_norms,
 )
+from dplit.privacy.clipping.units import grouped_use, unit_sums, units_of, without_units
 
 LAYER_ADVICE = (
     "freeze it, use a supported layer (Linear, Conv1D, Embedding, LayerNorm, RMSNorm), register a rule, or use the "
@@ -234,7 +235,11 @@ class GhostEngine(ClippingEngine):
         return self._tied_norm
 
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
-        """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass."""
+        """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass.
+
+        With ``batch[UNIT_KEY]`` each privacy unit (user) is one example: its rows' gradients are added and
+        clipped together, and the returned losses and norms are per unit.
+        """
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
         if _is_empty(batch):  # an empty (Poisson) micro-batch: nothing to run or clip
@@ -243,7 +248,11 @@ class GhostEngine(ClippingEngine):
                 self._summed(param)
             empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
             return ClipStats(losses=empty, norms=empty)
-        losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
+        losses, uses = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype)
+        units = units_of(batch)
+        if units is not None:  # a unit of several rows is one example: its rows' positions side by side
+            losses = unit_sums(losses, units)
+            uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
             kept: dict[int, Tensor] = {}  # float64 per-example gradients formed for a norm, reused for the sum
             per_parameter = list(self._squared_norms(uses, kept).values())  # each [B], float64, never below the truth

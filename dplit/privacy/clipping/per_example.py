@@ -15,6 +15,7 @@ from dplit.privacy.clipping.engine import (
     clip_factors,
     trainable_parameters,
 )
+from dplit.privacy.clipping.units import unit_sums, units_of, without_units
 
 
 class _LossModule(nn.Module):
@@ -68,7 +69,7 @@ class PerExampleEngine(ClippingEngine):
         try:
             per_example_grads, losses = vmap(
                 grad(example_loss, has_aux=True), in_dims=(None, 0), randomness="different"
-            )(params, dict(batch))
+            )(params, without_units(batch))
         except RuntimeError as error:
             if "vmap" not in str(error):
                 raise
@@ -76,6 +77,13 @@ class PerExampleEngine(ClippingEngine):
                 "the per_example engine traces the model with torch.func.vmap, which failed on a data-dependent "
                 "branch (e.g. transformers' sdpa attention mask): use attn_implementation='eager' or clipping='ghost'"
             ) from error
+        units = units_of(batch)
+        if units is not None:  # a unit's gradient: the sum of its rows' [U, *shape]
+            per_example_grads = {
+                name: g.new_zeros((units.count, *g.shape[1:])).index_add_(0, units.unit, g)
+                for name, g in per_example_grads.items()
+            }
+            losses = unit_sums(losses, units)
         squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
         norms = torch.stack(squared).sum(0).sqrt()
         keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing

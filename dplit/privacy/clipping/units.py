@@ -1,0 +1,94 @@
+"""Privacy units of several rows (users): one clipped gradient per unit, the sum of its rows' gradients.
+
+A batch may say which unit each row belongs to (``batch[UNIT_KEY]``, [B] integers). A unit's gradient of one use,
+G_u = Σ_{i∈u} Σ_t u_{i,t} v_{i,t}ᵀ, is the gradient of ONE example whose positions are all its rows' positions:
+so each use is regrouped from rows to units (the rows' positions laid side by side, their materialised gradients
+added) and the engines' per-example algebra, Gram terms between a unit's rows and the tied cross term included,
+computes each unit's exact norm and clipped sum unchanged. Without ``UNIT_KEY`` every row is its own unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, Factor, FactoredGradient, GradientUse
+
+UNIT_KEY = "privacy_unit"
+"""The batch key of the rows' privacy units: a [B] integer tensor, rows of one unit sharing a value."""
+
+
+@dataclass(frozen=True)
+class Units:
+    """Which unit each row of a batch belongs to, and its place among that unit's rows.
+
+    Attributes:
+        unit: [B] each row's unit, numbered 0..count-1 in order of first appearance.
+        slot: [B] each row's place among its unit's rows (0, 1, ...).
+        count: the number of units U.
+        most_rows: the most rows any unit has.
+    """
+
+    unit: Tensor
+    slot: Tensor
+    count: int
+    most_rows: int
+
+
+def units_of(batch: Mapping[str, Tensor]) -> Units | None:
+    """The units of ``batch[UNIT_KEY]`` (``None`` without the key: every row is its own unit)."""
+    labels = batch.get(UNIT_KEY)
+    if labels is None:
+        return None
+    if labels.dim() != 1 or labels.is_floating_point():
+        raise ValueError(
+            f"batch[{UNIT_KEY!r}] must be a [B] integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
+        )
+    _, label_index, label_counts = torch.unique(labels, return_inverse=True, return_counts=True)  # sorted labels
+    rows = torch.arange(labels.numel(), device=labels.device)
+    first = torch.full_like(label_counts, labels.numel()).scatter_reduce_(0, label_index, rows, "amin")  # [U]
+    by_appearance = torch.argsort(first)  # labels in order of their first row
+    renumbered = torch.empty_like(by_appearance)
+    renumbered[by_appearance] = torch.arange(by_appearance.numel(), device=labels.device)
+    unit, counts = renumbered[label_index], label_counts[by_appearance]
+    order = torch.argsort(unit, stable=True)  # rows grouped by unit, in batch order within a unit
+    starts = counts.cumsum(0) - counts  # [U]: where each unit's rows begin in ``order``
+    slot = torch.empty_like(unit)
+    slot[order] = rows - starts[unit[order]]
+    return Units(unit=unit, slot=slot, count=int(counts.numel()), most_rows=int(counts.max()) if counts.numel() else 0)
+
+
+def grouped_use(use: GradientUse, units: Units) -> GradientUse:
+    """``use`` with one entry per unit instead of per row: positions side by side, materialised gradients added."""
+    if isinstance(use, ExampleGradient):
+        summed = use.values.new_zeros((units.count, *use.values.shape[1:]))  # [U, *shape]
+        return ExampleGradient(summed.index_add_(0, units.unit, use.values))
+    if not isinstance(use.left, DenseFactor) and not isinstance(use.right, DenseFactor):
+        raise ValueError("a unit's rows are laid side by side only when one factor of a use is dense")
+    return FactoredGradient(_grouped_factor(use.left, units), _grouped_factor(use.right, units))
+
+
+def _grouped_factor(factor: Factor, units: Units) -> Factor:
+    """[B, T, ...] → [U, k·T, ...] (k = the most rows of a unit); a short unit's missing rows are zeros.
+
+    An index factor's missing rows hold index 0: the dense factor beside it is zero there, so they add nothing.
+    """
+    values = factor.values if isinstance(factor, DenseFactor) else factor.indices
+    positions = values.shape[1]
+    spread = values.new_zeros((units.count, units.most_rows, *values.shape[1:]))  # [U, k, T, ...]
+    spread[units.unit, units.slot] = values
+    laid = spread.reshape(units.count, units.most_rows * positions, *values.shape[2:])  # [U, k·T, ...]
+    return DenseFactor(laid) if isinstance(factor, DenseFactor) else type(factor)(laid, factor.width)
+
+
+def without_units(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The batch the model sees: every field but :data:`UNIT_KEY`."""
+    return {key: value for key, value in batch.items() if key != UNIT_KEY}
+
+
+def unit_sums(values: Tensor, units: Units) -> Tensor:
+    """Per-row ``values`` [B] summed per unit [U] (e.g. the losses of a unit's rows)."""
+    return values.new_zeros(units.count).index_add_(0, units.unit, values)
