@@ -1,0 +1,80 @@
+"""Poisson sampling of users (user-level DP): each user joins a logical batch with probability q, with ≤ k rows.
+
+Each step every user of this replica's shard is sampled independently at rate q (q = expected users per batch /
+number of users); a sampled user brings at most k of its rows, chosen uniformly at random among them each time it
+is sampled, so a user's rows are seen over the epochs while its contribution to any step is bounded. Users, not
+rows, are sharded over data-parallel replicas (user j on rank j mod W): no user is ever split across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from dplit.privacy.sampling import derive_seed
+
+
+def rows_of_users(users: Sequence[int]) -> list[list[int]]:
+    """The row indices of each user, users numbered 0..U-1 by ``users`` (each row's user)."""
+    grouped: list[list[int]] = [[] for _ in range(max(users, default=-1) + 1)]
+    for row, user in enumerate(users):
+        grouped[user].append(row)
+    return grouped
+
+
+class UserPoissonBatchSampler(Sampler[list[int]]):
+    """Yields ``steps`` logical batches of rows: each user of this replica's shard with probability q, ≤ k rows each.
+
+    Args:
+        user_rows: the row indices of each user of the whole dataset (every user at least one row).
+        sample_rate: the Poisson rate q over users (expected users per batch / number of users).
+        max_rows_per_user: k, the most rows a sampled user brings to a batch.
+        steps: batches per epoch.
+        num_replicas: number of data-parallel processes.
+        rank: this process' index among them.
+        seed: any integer; the generator is seeded from (``seed``, ``rank``).
+    """
+
+    def __init__(
+        self,
+        *,
+        user_rows: Sequence[Sequence[int]],
+        sample_rate: float,
+        max_rows_per_user: int,
+        steps: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if not user_rows or any(len(rows) == 0 for rows in user_rows):
+            raise ValueError("user-level sampling needs at least one user, and every user at least one row")
+        if not 0 < sample_rate <= 1:
+            raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
+        if max_rows_per_user < 1:
+            raise ValueError(f"data.max_rows_per_user must be ≥ 1, got {max_rows_per_user}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be in [0, num_replicas={num_replicas}), got {rank}")
+        self._users = [torch.tensor(list(rows)) for rows in user_rows[rank::num_replicas]]  # this rank's users
+        self._sample_rate = sample_rate
+        self._max_rows = max_rows_per_user
+        self._steps = steps
+        self._generator = torch.Generator().manual_seed(derive_seed(seed, "users", rank))
+
+    def __len__(self) -> int:
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for _ in range(self._steps):
+            chosen = torch.rand(len(self._users), generator=self._generator) < self._sample_rate
+            batch: list[int] = []
+            for user in chosen.nonzero().flatten().tolist():
+                batch.extend(self._rows_of(self._users[user]))
+            yield batch
+
+    def _rows_of(self, rows: torch.Tensor) -> list[int]:
+        """At most k of a sampled user's rows, uniformly at random without replacement."""
+        if len(rows) <= self._max_rows:
+            return rows.tolist()
+        return rows[torch.randperm(len(rows), generator=self._generator)[: self._max_rows]].tolist()
