@@ -2,40 +2,59 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, TypedDict
+from collections.abc import Mapping, Sequence
+from typing import Literal, NotRequired, TypedDict
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from dplit.privacy.clipping.units import UNIT_KEY
+
 
 class Example(TypedDict):
-    """One tokenised example: prompt token ids and class index."""
+    """One tokenised example: prompt token ids, class index and, under user-level DP, its user (0..U-1)."""
 
     input_ids: list[int]
     label: int
+    user: NotRequired[int]
 
 
 class TokenizedDataset(Dataset[Example]):
-    """Already tokenised prompts with their class indices.
+    """Already tokenised prompts with their class indices (and users: DP-SGD then samples and clips by user).
 
     Args:
         input_ids: token ids of each prompt.
         labels: class index of each example.
+        users: each example's user, 0..U-1 (``None``: each example is its own privacy unit).
+        max_rows_per_user: the most rows of one user in one DP step (``data.max_rows_per_user``).
     """
 
-    def __init__(self, input_ids: list[list[int]], labels: list[int]) -> None:
+    def __init__(
+        self,
+        input_ids: list[list[int]],
+        labels: list[int],
+        *,
+        users: list[int] | None = None,
+        max_rows_per_user: int = 1,
+    ) -> None:
         if len(input_ids) != len(labels):
             raise ValueError(f"{len(input_ids)} prompts but {len(labels)} labels")
+        if users is not None and len(users) != len(labels):
+            raise ValueError(f"{len(users)} users but {len(labels)} labels")
         self.input_ids = input_ids
         self.labels = labels
+        self.users = users
+        self.max_rows_per_user = max_rows_per_user
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, index: int) -> Example:
-        return Example(input_ids=self.input_ids[index], label=self.labels[index])
+        example = Example(input_ids=self.input_ids[index], label=self.labels[index])
+        if self.users is not None:
+            example["user"] = self.users[index]
+        return example
 
 
 class PadCollator:
@@ -69,7 +88,15 @@ class PadCollator:
             [e["input_ids"] for e in examples], self.pad_token_id, self.padding_side
         )
         labels = torch.tensor([example["label"] for example in examples], dtype=torch.long)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return {**batch, **user_field(examples)}
+
+
+def user_field(examples: Sequence[Mapping[str, object]]) -> dict[str, Tensor]:
+    """``{UNIT_KEY: [B] users}`` when the examples carry users (user-level DP), else nothing."""
+    if not examples or "user" not in examples[0]:
+        return {}
+    return {UNIT_KEY: torch.tensor([example["user"] for example in examples], dtype=torch.long)}
 
 
 def pad_token_rows(rows: Sequence[Sequence[int]], fill: int, side: str) -> tuple[Tensor, Tensor]:

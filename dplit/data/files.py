@@ -14,7 +14,7 @@ import json
 import re
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any, NamedTuple, TextIO
@@ -63,6 +63,8 @@ class TextRows:
     source: str
     lines: list[int] | None = None
     """The 1-based file line of each row, where it may differ from the row number (local files)."""
+    users: list[str] | None = None
+    """Each row's user id (``data.user_column``, user-level DP)."""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -86,7 +88,9 @@ def check_data_file(flag: str, value: str) -> None:
         raise ValueError(f"{flag}={value!r}: unknown file type {path.suffix!r}; use one of {sorted(FILE_TYPES)}")
 
 
-def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) -> TextRows:
+def read_rows(
+    path: Path, columns: tuple[str, ...], limit: int | None = None, *, user_column: str | None = None
+) -> TextRows:
     """Read the ``columns`` of a local JSONL / JSON / CSV / TXT file (UTF-8, one example per row).
 
     A JSONL file holds one JSON object per line; a JSON file holds an array of objects (or JSON Lines); a CSV
@@ -98,6 +102,8 @@ def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) ->
         path: the file.
         columns: the columns to read (``("text",)`` or ``("prompt", "response")``).
         limit: read only the first ``limit`` rows.
+        user_column: a column naming each row's user (``data.user_column``: a string or an integer), read into
+            ``users``.
 
     Returns:
         The rows, each with its file line.
@@ -107,7 +113,20 @@ def read_rows(path: Path, columns: tuple[str, ...], limit: int | None = None) ->
             file, text that is not UTF-8, a line that is not JSON or not an object, a CSV row with the wrong
             number of fields, a missing column, a value that is not a string, or a file with no rows.
     """
-    return records_to_rows(path, read_records(path, columns, limit), columns)
+    records = read_records(path, columns, limit)
+    rows = records_to_rows(path, records, columns)
+    if user_column is None:
+        return rows
+    return replace(rows, users=[_record_user(path, record, user_column) for record in records])
+
+
+def _record_user(path: Path, record: Record, column: str) -> str:
+    """A record's user id (a string or an integer), refusing a missing or blank one (never printing an id)."""
+    where = f"{record.unit} {record.number}"
+    value = record.columns.get(column)
+    if value is None or isinstance(value, bool) or not isinstance(value, str | int) or not str(value).strip():
+        raise refusal(path, f"no user id in data.user_column={column!r} (missing, blank or not a string)", where)
+    return str(value).strip()
 
 
 def read_records(path: Path, columns: tuple[str, ...], limit: int | None = None) -> list[Record]:
@@ -300,7 +319,7 @@ def records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...],
 # GLUE's TSV files (data.data_dir)
 
 
-def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextSplit:
+def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None, *, user_column: str | None = None) -> TextSplit:
     """Read a GLUE TSV file (header row, tab-separated, no quoting: QNLI texts may start with ``"``).
 
     Blank (whitespace-only) lines are skipped.
@@ -309,6 +328,7 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
         path: the TSV file, e.g. ``glue/qnli/dev.tsv``.
         spec: the task, giving the header's required columns and the label strings.
         limit: read only the first ``limit`` examples.
+        user_column: a column naming each row's user (``data.user_column``), read into ``users``.
 
     Returns:
         The split.
@@ -327,6 +347,7 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
         raise refusal(path, f"the file is empty (0 bytes); a GLUE {spec.name} TSV starts with its header row")
     texts: dict[str, list[str]] = {column: [] for column in spec.text_columns}
     labels: list[str] = []
+    users: list[str] | None = [] if user_column is not None else None
     blank_lines = 0
     with utf8_text(path) as file:
         rows = csv_rows(path, file, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -334,6 +355,8 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
         if is_blank(header) and all(is_blank(row) for _, row in rows):
             raise refusal(path, "no examples (only blank lines)")
         positions = _column_positions(path, header, spec)
+        if user_column is not None and user_column not in positions:
+            raise refusal(path, f"data.user_column={user_column!r} is not a column; the header (line 1) is {header}")
         for line, row in rows:
             if is_blank(row):
                 blank_lines += 1
@@ -349,9 +372,18 @@ def read_glue_tsv(path: Path, spec: TaskSpec, limit: int | None = None) -> TextS
             labels.append(label)
             for column, values in texts.items():
                 values.append(row[positions[column]])
+            if users is not None:
+                users.append(_user_id(path, line, row[positions[str(user_column)]]))
     if not labels and blank_lines:
         raise refusal(path, "no examples (only blank lines after the header)")
-    return non_empty(TextSplit(texts, labels, str(path)))
+    return non_empty(TextSplit(texts, labels, str(path), users))
+
+
+def _user_id(path: Path, line: int, value: str) -> str:
+    """A row's user id, refusing a blank one (the id itself is private: never in the message)."""
+    if not value.strip():
+        raise refusal(path, "the user id (data.user_column) is blank", line)
+    return value.strip()
 
 
 def _column_positions(path: Path, header: list[str], spec: TaskSpec) -> dict[str, int]:

@@ -22,6 +22,7 @@ from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split
 from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
 from dplit.data.tasks import TaskSpec, get_task
 from dplit.data.tokenizer import label_word_ids, load_tokenizer
+from dplit.data.users import check_user_settings, synthetic_users, user_indices, warn_dominant_user
 
 Split = Literal["train", "dev"]
 _HUB_SPLITS: dict[str, str] = {"train": "train", "dev": "validation"}
@@ -55,6 +56,11 @@ class GlueDataModule(LightningDataModule):
         synthetic_train_size: training examples of the synthetic task.
         synthetic_val_size: dev examples of the synthetic task.
         seed: seed of the synthetic task's data.
+        privacy_unit: ``"example"`` (each row is protected) or ``"user"`` (each user, all of its rows: DP-SGD then
+            samples users at rate q = ``batch_size`` / users and clips each user's summed gradient as one).
+        user_column: the ``train.tsv`` column naming each row's user (``privacy_unit: user``); the synthetic task
+            draws its own users (:func:`~dplit.data.users.synthetic_users`, 1 to 8 rows each, from ``seed``).
+        max_rows_per_user: k, the most rows of one sampled user in one step (drawn uniformly among its rows).
     """
 
     def __init__(
@@ -75,9 +81,14 @@ class GlueDataModule(LightningDataModule):
         synthetic_train_size: int = 20_000,
         synthetic_val_size: int = 1_000,
         seed: int = 0,
+        privacy_unit: Literal["example", "user"] = "example",
+        user_column: str | None = None,
+        max_rows_per_user: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_user_settings(privacy_unit, user_column, max_rows_per_user)
+        _check_user_source(task, data_dir, privacy_unit, user_column)
         self.spec: TaskSpec = get_task(task)
         self.task = task
         _check_counts(
@@ -181,8 +192,12 @@ class GlueDataModule(LightningDataModule):
             path = self.data_dir / f"{split}.tsv"
             if not path.exists():
                 raise FileNotFoundError(f"data.data_dir: {path} not found (GLUE's {self.task} {split} split)")
-            return read_glue_tsv(path, self.spec, limit)
+            return read_glue_tsv(path, self.spec, limit, user_column=self._user_column(split))
         return load_hub_split(self.spec, _HUB_SPLITS[split], limit)
+
+    def _user_column(self, split: Split) -> str | None:
+        """The column of the training split's users (user-level DP); the dev split is public to no one: none."""
+        return self.hparams.user_column if split == "train" and self.hparams.privacy_unit == "user" else None
 
     def _tokenize(self, texts: TextSplit, *, private: bool) -> TokenizedDataset:
         """Encode a split's prompts, logging their length statistics.
@@ -195,11 +210,29 @@ class GlueDataModule(LightningDataModule):
         quiet = private and not getattr(getattr(self.trainer, "strategy", None), "private_diagnostics", True)
         longest = max(len(ids) for ids in encoded.input_ids)
         statistics = (
-            "" if quiet else f", longest prompt {longest} tokens, {encoded.num_truncated} truncated to "
+            ""
+            if quiet
+            else f", longest prompt {longest} tokens, {encoded.num_truncated} truncated to "
             f"data.max_length={self.prompt.max_length}"
         )
         rank_zero_info(f"{self.task}: {len(labels)} examples from {texts.source}{statistics}")
-        return TokenizedDataset(encoded.input_ids, labels)
+        users = self._users(texts) if private else None
+        return TokenizedDataset(
+            encoded.input_ids, labels, users=users, max_rows_per_user=self.hparams.max_rows_per_user
+        )
+
+    def _users(self, texts: TextSplit) -> list[int] | None:
+        """The training rows' users, 0..U-1, under ``privacy_unit: user`` (synthetic: a seeded assignment)."""
+        if self.hparams.privacy_unit != "user":
+            return None
+        ids = texts.users
+        if ids is None:  # the synthetic task: users of 1 to 8 consecutive rows
+            ids = synthetic_users(len(texts), seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
+        users = user_indices(ids)
+        warn_dominant_user(users, source=texts.source)
+        rank_zero_info(f"{self.task}: user-level DP over {max(users) + 1} users (at most "
+                       f"{self.hparams.max_rows_per_user} rows of a user per step)")  # fmt: skip
+        return users
 
 
 def _resolve_label_words(spec: TaskSpec, label_words: dict[str, str] | None) -> dict[str, str]:
@@ -227,6 +260,23 @@ def _warn_ignored_options(task: str, options: Mapping[str, Any]) -> None:
     for name, why in ignored.items():
         if options[name] != defaults[name].default:
             rank_zero_warn(f"data.{name}={options[name]!r} is ignored with data.task={task}: {why}")
+
+
+SYNTHETIC_USER_ROWS = 8
+"""The synthetic task's users own 1 to this many consecutive rows (seeded by ``data.seed``)."""
+
+
+def _check_user_source(task: str, data_dir: str | None, privacy_unit: str, user_column: str | None) -> None:
+    """Refuse user-level DP on a source without users: GLUE from the hub, or a TSV without ``data.user_column``."""
+    if privacy_unit != "user" or task == "synthetic":
+        return
+    if data_dir is None:
+        raise ValueError(
+            f"data.privacy_unit=user: GLUE's {task} from the hub has no user column; set data.data_dir to TSV files "
+            "with one and name it with data.user_column"
+        )
+    if user_column is None:
+        raise ValueError("data.privacy_unit=user needs data.user_column: the train.tsv column naming each row's user")
 
 
 def _check_data_dir(folder: Path, task: str) -> None:

@@ -148,11 +148,9 @@ def _parse(template: str, columns: Sequence[str]) -> tuple[list[str], list[_Fiel
         if any(field.column == column for field in fields):
             raise ValueError(f"data.template {template!r} uses the field {{{column}}} more than once")
         stripped = literals[-1].rstrip()
-        fields.append(_Field(column, literals[-1][len(stripped):]))
+        fields.append(_Field(column, literals[-1][len(stripped) :]))
         literals[-1] = stripped
         literals.append("")
     if not fields:
-        raise ValueError(
-            f"data.template {template!r} must use at least one of the task's text columns {list(columns)}"
-        )
+        raise ValueError(f"data.template {template!r} must use at least one of the task's text columns {list(columns)}")
     return literals, fields

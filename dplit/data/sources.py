@@ -26,11 +26,13 @@ class TextSplit:
         texts: text column → one text per example.
         labels: one raw label string per example (as written in GLUE's TSV files).
         source: where the split came from (a file path or hub name), for messages.
+        users: each example's user id (user-level DP), when the source names them.
     """
 
     texts: dict[str, list[str]]
     labels: list[str]
     source: str
+    users: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)

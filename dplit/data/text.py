@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 import datasets
 from lightning.pytorch import LightningDataModule
@@ -21,35 +21,51 @@ from torch.utils.data import DataLoader, Dataset
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from dplit.data.batches import PadCollator, pad_token_rows
+from dplit.data.batches import PadCollator, pad_token_rows, user_field
 from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.files import TextRows, check_data_file, read_rows, refusal
 from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
+from dplit.data.users import check_user_settings, synthetic_users, user_indices, warn_dominant_user
 
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
+SYNTHETIC_USER_ROWS = 8
+"""The built-in corpus' users own 1 to this many consecutive rows (seeded by ``data.seed``)."""
 
 
 class TextExample(TypedDict):
-    """One tokenised example: its token ids and which of them are trained (1) or context only (0)."""
+    """One tokenised example: its token ids, which of them are trained (1) or context only (0), and its user."""
 
     input_ids: list[int]
     loss_mask: list[int]
+    user: NotRequired[int]
 
 
 class TextDataset(Dataset[TextExample]):
-    """Tokenised examples."""
+    """Tokenised examples (with users: DP-SGD then samples and clips by user).
 
-    def __init__(self, examples: list[TextExample]) -> None:
+    Args:
+        examples: the tokenised rows.
+        users: each row's user, 0..U-1 (``None``: each row is its own privacy unit).
+        max_rows_per_user: the most rows of one user in one DP step (``data.max_rows_per_user``).
+    """
+
+    def __init__(
+        self, examples: list[TextExample], *, users: list[int] | None = None, max_rows_per_user: int = 1
+    ) -> None:
         self.examples = examples
+        self.users = users
+        self.max_rows_per_user = max_rows_per_user
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, index: int) -> TextExample:
-        return self.examples[index]
+        if self.users is None:
+            return self.examples[index]
+        return TextExample(**self.examples[index], user=self.users[index])
 
 
 class TextCollator(PadCollator):
@@ -67,7 +83,8 @@ class TextCollator(PadCollator):
             [e["input_ids"] for e in examples], self.pad_token_id, self.padding_side
         )
         loss_mask, _ = pad_token_rows([e["loss_mask"] for e in examples], 0, self.padding_side)
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+        return {**batch, **user_field(examples)}
 
 
 class TextDataModule(LightningDataModule):
@@ -97,6 +114,11 @@ class TextDataModule(LightningDataModule):
         builtin_train_size: training texts of the built-in corpus.
         builtin_val_size: validation texts of the built-in corpus.
         seed: seed of the built-in corpus.
+        privacy_unit: ``"example"`` (each row is protected) or ``"user"`` (each user with all of its rows: DP-SGD
+            samples users at q = ``batch_size`` / users and clips each user's summed gradient as one).
+        user_column: the column naming each training row's user (local files and hub datasets); the built-in
+            corpus draws its own users (1 to 8 consecutive rows, from ``seed``).
+        max_rows_per_user: k, the most rows of one sampled user in one step (drawn uniformly among its rows).
     """
 
     def __init__(
@@ -121,9 +143,15 @@ class TextDataModule(LightningDataModule):
         builtin_train_size: int = 8000,
         builtin_val_size: int = 400,
         seed: int = 0,
+        privacy_unit: Literal["example", "user"] = "example",
+        user_column: str | None = None,
+        max_rows_per_user: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        check_user_settings(privacy_unit, user_column, max_rows_per_user)
+        if privacy_unit == "user" and user_column is None and (train_file is not None or dataset != BUILTIN):
+            raise ValueError("data.privacy_unit=user needs data.user_column: the column naming each row's user")
         if packing:
             raise ValueError(
                 "data.packing=true is refused under DP: packing puts several rows in one sequence, so one "
@@ -178,7 +206,8 @@ class TextDataModule(LightningDataModule):
             if not examples:
                 raise ValueError(f"{rows.source}: the {split} split has no examples")
             rank_zero_info(f"{split}: {len(examples)} examples from {rows.source}")
-            self._datasets[split] = TextDataset(examples)
+            users = self._users(rows) if split == "train" else None
+            self._datasets[split] = TextDataset(examples, users=users, max_rows_per_user=self.hparams.max_rows_per_user)
         return self._datasets[split]
 
     @override
@@ -202,27 +231,55 @@ class TextDataModule(LightningDataModule):
         limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
         if hp.train_file is not None:
             file = Path(hp.train_file if split == "train" else hp.val_file).expanduser()
-            return read_rows(file, self._columns(), limit)
+            return read_rows(file, self._columns(), limit, user_column=self._user_column(split))
         if hp.dataset == BUILTIN:
             size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
             texts = make_corpus_split(split, size if limit is None else min(size, limit), hp.seed)
             return TextRows(texts, None, None, f"builtin corpus [{split}, seed={hp.seed}]")
         table = load_hub_dataset(hp.dataset, "data.dataset", split=split if limit is None else f"{split}[:{limit}]")
-        return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]")
+        return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]", self._user_column(split))
+
+    def _users(self, rows: TextRows) -> list[int] | None:
+        """The training rows' users, 0..U-1, under ``privacy_unit: user`` (the built-in corpus: a seeded assignment)."""
+        if self.hparams.privacy_unit != "user":
+            return None
+        ids = rows.users
+        if ids is None:  # the built-in corpus: users of 1 to 8 consecutive rows
+            count = len(rows.texts or rows.responses or [])
+            ids = synthetic_users(count, seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
+        users = user_indices(ids)
+        warn_dominant_user(users, source=rows.source)
+        return users
+
+    def _user_column(self, split: Split) -> str | None:
+        """The user column of the training split (user-level DP); the validation split needs none."""
+        return self.hparams.user_column if split == "train" and self.hparams.privacy_unit == "user" else None
 
     def _columns(self) -> tuple[str, ...]:
         hp = self.hparams
         return (hp.prompt_column, hp.response_column) if hp.prompt_column else (hp.text_column,)
 
 
-def _rows_of(table: datasets.Dataset, columns: tuple[str, ...], source: str) -> TextRows:
-    missing = [column for column in columns if column not in table.column_names]
+def _rows_of(table: datasets.Dataset, columns: tuple[str, ...], source: str, user_column: str | None) -> TextRows:
+    wanted = columns + ((user_column,) if user_column is not None else ())
+    missing = [column for column in wanted if column not in table.column_names]
     if missing:
         raise refusal(source, f"missing column(s) {missing}; the file has {table.column_names}")
     values = [[value if value is not None else "" for value in table[column]] for column in columns]
+    users = _hub_users(table, user_column, source) if user_column is not None else None
     if len(columns) == 1:
-        return TextRows(values[0], None, None, source)
-    return TextRows(None, values[0], values[1], source)
+        return TextRows(values[0], None, None, source, users=users)
+    return TextRows(None, values[0], values[1], source, users=users)
+
+
+def _hub_users(table: datasets.Dataset, column: str, source: str) -> list[str]:
+    """A hub dataset's user ids, refusing a blank one by its row (never printing an id)."""
+    users = []
+    for index, value in enumerate(table[column]):
+        if value is None or not str(value).strip():
+            raise refusal(source, f"no user id in data.user_column={column!r}", f"row {index + 1}")
+        users.append(str(value).strip())
+    return users
 
 
 def encode_rows(

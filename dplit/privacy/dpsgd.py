@@ -39,6 +39,7 @@ from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multipli
 from dplit.privacy.clipping import GhostEngine, build_engine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.self_check import check_ghost_norms
+from dplit.privacy.clipping.units import units_of
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
@@ -47,6 +48,7 @@ from dplit.privacy.noise import NoiseSource
 from dplit.privacy.sampling import poisson_loader
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
+from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.world import SingleProcess, World
 
@@ -102,6 +104,7 @@ class DPSGD:
         self._sample_rate: float | None = None
         self._dataset_size: int | None = None
         self._rows: IndexedRows | None = None
+        self._user_level: UserLevel | None = None
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
@@ -186,13 +189,20 @@ class DPSGD:
     # --- Algorithm 1 -----------------------------------------------------------------------------------------------
 
     def sample(self, loader: DataLoader) -> DataLoader:
-        """``loader`` with Poisson sampling at q = ``loader.batch_size`` / N (each rank draws its shard at rate q)."""
-        self._dataset_size, self._sample_rate = _size_and_rate(loader)
+        """``loader`` with Poisson sampling at q = ``loader.batch_size`` / N (each rank draws its shard at rate q).
+
+        A dataset that declares users (:func:`~dplit.privacy.user_sampling.user_level_of`) is sampled by user: N
+        is the number of users, ``batch_size`` the expected users per batch, and each user is clipped as one unit.
+        """
+        self._user_level = user_level_of(loader.dataset)
+        units = self._user_level.users if self._user_level is not None else len(loader.dataset)  # type: ignore[arg-type]
+        self._dataset_size, self._sample_rate = _size_and_rate(loader, units, users=self._user_level is not None)
         self._rows = loader.dataset  # type: ignore[assignment]
         seed = self.noise_source.seed("sampling", steps=self._ledger.steps)  # the sampler mixes in the rank
-        return poisson_loader(
-            loader, sample_rate=self._sample_rate, num_replicas=self.world.size, rank=self.world.rank, seed=seed
-        )
+        where = {"num_replicas": self.world.size, "rank": self.world.rank, "seed": seed}
+        if self._user_level is not None:  # q over users; a sampled user brings ≤ k rows
+            return user_poisson_loader(loader, level=self._user_level, sample_rate=self._sample_rate, **where)
+        return poisson_loader(loader, sample_rate=self._sample_rate, **where)
 
     def start(
         self,
@@ -219,6 +229,7 @@ class DPSGD:
         delta = self.settings.target_delta or default_delta(self._dataset_size)
         self._check_delta(delta)
         self._check_ranks_hold_the_same_rows()
+        self._check_users_fit_a_micro_batch()
         self._planned_steps, self._steps_done = planned_steps, steps_done
         self._open_ledger(delta, log_dir, resumed_from)
         self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=1)
@@ -252,7 +263,7 @@ class DPSGD:
         buffer = self._started_buffer()
         losses, norms = [], []
         self._state_guard.arm()
-        micro_batches = list(split_batch(batch, self.settings.max_physical_batch_size))
+        micro_batches = list(split_batch(batch, self.settings.max_physical_batch_size))  # a user's rows stay together
         placeholders = self.world.micro_batch_count(len(micro_batches)) - len(micro_batches)
         with buffer.receiving():  # every param.grad is a view into the buffer: the engine's sums land in it
             self._self_check(loss_fn, batch)
@@ -329,6 +340,7 @@ class DPSGD:
             "expected_batch_size": self.expected_batch_size if self._sample_rate is not None else None,
             "epsilon_steps": self._epsilon_steps,
             "sampling": "poisson",
+            **(self._user_level.facts() if self._user_level is not None else {"privacy_unit": "example"}),
             "clipping": settings.clipping,
             "tied_norm": settings.tied_norm,
             "noise": self.noise_source.describe(),
@@ -511,6 +523,15 @@ class DPSGD:
             raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set {FLAG_OWNER}.allow_large_delta=true")
         self._warn(f"{message} (allowed by {FLAG_OWNER}.allow_large_delta)")
 
+    def _check_users_fit_a_micro_batch(self) -> None:
+        """Refuse micro-batches smaller than k: a user's rows are clipped together, in one micro-batch."""
+        level, size = self._user_level, self.settings.max_physical_batch_size
+        if level is not None and size < level.max_rows_per_user:
+            raise ValueError(
+                f"{FLAG_OWNER}.max_physical_batch_size={size} is below data.max_rows_per_user="
+                f"{level.max_rows_per_user}: a user's rows are clipped together in one micro-batch"
+            )
+
     def _check_ranks_hold_the_same_rows(self) -> None:
         """Refuse, on every rank, data-parallel ranks whose training datasets differ (in N or in any row).
 
@@ -567,20 +588,39 @@ def _contributing_nothing(loss_fn: PerExampleLoss) -> PerExampleLoss:
 
 
 def split_batch(batch: Batch, size: int) -> Iterator[Batch]:
-    """Micro-batches of at most ``size`` examples (none for an empty batch)."""
-    total = batch_size(batch)
-    for start in range(0, total, size):
-        yield {key: value[start : start + size] for key, value in batch.items()}
+    """Micro-batches of at most ``size`` rows (none for an empty batch); a user's rows are never split.
+
+    With ``batch[UNIT_KEY]`` whole users are packed in order into micro-batches of at most ``size`` rows (a user
+    has at most ``size`` rows: checked at start).
+    """
+    units = units_of(batch)
+    if units is None:
+        total = batch_size(batch)
+        for start in range(0, total, size):
+            yield {key: value[start : start + size] for key, value in batch.items()}
+        return
+    order = torch.argsort(units.unit, stable=True)  # rows grouped by user
+    counts = torch.bincount(units.unit, minlength=units.count).tolist()
+    chunk: list[Tensor] = []
+    taken = 0
+    for rows in order.split(counts):
+        if taken and taken + len(rows) > size:
+            yield {key: value[torch.cat(chunk)] for key, value in batch.items()}
+            chunk, taken = [], 0
+        chunk.append(rows)
+        taken += len(rows)
+    if chunk:
+        yield {key: value[torch.cat(chunk)] for key, value in batch.items()}
 
 
-def _size_and_rate(loader: DataLoader) -> tuple[int, float]:
-    """N and the Poisson rate q = batch_size / N of the training loader (refusing an empty set, a bad size)."""
-    size = len(loader.dataset)  # type: ignore[arg-type]
+def _size_and_rate(loader: DataLoader, size: int, *, users: bool) -> tuple[int, float]:
+    """N and the Poisson rate q = batch_size / N (N rows, or users), refusing an empty set or a bad batch size."""
     batch = loader.batch_size
     if size == 0:
         raise ValueError("the training dataset is empty")
     if batch is None or not 0 < batch <= size:
-        raise ValueError(f"data batch_size must be in [1, {size}] (the training set size), got {batch}")
+        what = f"the expected users per batch, at most the {size} users" if users else f"at most the {size} rows"
+        raise ValueError(f"data.batch_size must be in [1, {size}] ({what}), got {batch}")
     return size, batch / size
 
 

@@ -9,11 +9,76 @@ rows, are sharded over data-parallel replicas (user j on rank j mod W): no user 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from dplit.privacy.sampling import derive_seed
+
+
+@dataclass(frozen=True)
+class UserLevel:
+    """A training set whose privacy unit is the user: who owns each row, and how many rows a step takes of each.
+
+    Attributes:
+        user_rows: the row indices of each user (users numbered 0..U-1).
+        max_rows_per_user: k, the most rows of one user in one step (``data.max_rows_per_user``).
+    """
+
+    user_rows: list[list[int]]
+    max_rows_per_user: int
+
+    @property
+    def users(self) -> int:
+        """The number of users U (the N of the accounting)."""
+        return len(self.user_rows)
+
+    @property
+    def largest_user_rows(self) -> int:
+        """The most rows any user owns (beyond k, a user's rows are not all seen in one step)."""
+        return max((len(rows) for rows in self.user_rows), default=0)
+
+    def facts(self) -> dict[str, Any]:
+        """What the ledger and the card record about the unit (counts only: no user id)."""
+        return {
+            "privacy_unit": "user",
+            "users": self.users,
+            "max_rows_per_user": self.max_rows_per_user,
+            "largest_user_rows": self.largest_user_rows,
+        }
+
+
+def user_level_of(dataset: object) -> UserLevel | None:
+    """The user-level structure a training dataset declares (``users`` per row and ``max_rows_per_user``), if any."""
+    users = getattr(dataset, "users", None)
+    if users is None:
+        return None
+    return UserLevel(user_rows=rows_of_users(users), max_rows_per_user=int(dataset.max_rows_per_user))  # type: ignore[attr-defined]
+
+
+def user_poisson_loader(
+    dataloader: DataLoader, *, level: UserLevel, sample_rate: float, num_replicas: int, rank: int, seed: int
+) -> DataLoader:
+    """``dataloader`` with its sampler replaced by Poisson sampling of users (same collate, workers)."""
+    sampler = UserPoissonBatchSampler(
+        user_rows=level.user_rows,
+        sample_rate=sample_rate,
+        max_rows_per_user=level.max_rows_per_user,
+        steps=max(1, round(level.users / (dataloader.batch_size or 1))),
+        num_replicas=num_replicas,
+        rank=rank,
+        seed=seed,
+    )
+    return DataLoader(
+        dataloader.dataset,
+        batch_sampler=sampler,
+        collate_fn=dataloader.collate_fn,
+        num_workers=dataloader.num_workers,
+        pin_memory=dataloader.pin_memory,
+        persistent_workers=dataloader.persistent_workers,
+    )
 
 
 def rows_of_users(users: Sequence[int]) -> list[list[int]]:

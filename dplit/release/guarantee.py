@@ -78,7 +78,8 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "segments": len(segments),
         "accountant_history": [list(entry) for entry in history.accountant_history()],
         "dataset_size": last.get("dataset_size"),
-        "privacy_unit": PRIVACY_UNIT,
+        "privacy_unit": privacy_unit_text(last),
+        **_user_counts(last),
         "clipping": last.get("clipping"),
         "tied_norm": last.get("tied_norm"),
         "noise": _noise_sources(segments),
@@ -86,6 +87,23 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         **record,
         **facts,
     }
+
+
+def privacy_unit_text(facts: dict[str, Any]) -> str:
+    """What one unit of protection is: a training row, or a user with all of its rows (from the run's facts)."""
+    if facts.get("privacy_unit") != "user":
+        return PRIVACY_UNIT
+    return (
+        f"one user (all of that user's training rows; at most {facts.get('max_rows_per_user')} of them are used in "
+        f"any step, drawn at random, so rows beyond that are not all seen; the largest user owns "
+        f"{facts.get('largest_user_rows')} rows)"
+    )
+
+
+def _user_counts(facts: dict[str, Any]) -> dict[str, Any]:
+    """The user-level counts a card states (none for example-level DP)."""
+    keys = ("users", "max_rows_per_user", "largest_user_rows")
+    return {key: facts.get(key) for key in keys} if facts.get("privacy_unit") == "user" else {}
 
 
 def _noise_sources(segments: list[dict[str, Any]]) -> str:
@@ -131,7 +149,11 @@ def data_source(data: dict[str, Any]) -> str:
         task = data["task"]
         if task == "synthetic":
             return "dplit's built-in synthetic sentiment task (generated, not private)"
-        where = f"local {public_name(data['data_dir'])}/train.tsv" if data.get("data_dir") else f"hub dataset {HUB_DATASET} ({task})"
+        where = (
+            f"local {public_name(data['data_dir'])}/train.tsv"
+            if data.get("data_dir")
+            else f"hub dataset {HUB_DATASET} ({task})"
+        )
         return f"GLUE {task}: {where}"
     if data.get("train_file"):
         return f"file {public_name(data['train_file'])}"
@@ -189,20 +211,25 @@ def _history_table(segments: list[dict[str, Any]]) -> list[str]:
                 f"| {_shown(segment.get('note'))} |"
             )
         else:
-            rows.append(f"| {number} | NOT private | {segment_steps(segment)} | — | — | — | — | {_shown(segment['reason'])} |")
+            rows.append(
+                f"| {number} | NOT private | {segment_steps(segment)} | — | — | — | — | {_shown(segment['reason'])} |"
+            )
     composed = "ε above composes every DP-SGD row as if all were on the same data (an upper bound for each dataset)."
     return [*rows, "", composed]
 
 
 def _statement(g: dict[str, Any]) -> str:
+    users = "users" in g  # user-level DP: the unit, N and q are users
+    unit, units = ("user", "users") if users else ("example", "rows")
     return (
         f"The weights in this folder are ({g['epsilon']:.4g}, {g['delta']:.3g})-differentially private with respect "
-        f"to {g['privacy_unit']} of the {g['dataset_size']} training rows: DP-SGD with {g['sampling']} sampling "
-        f"(rate q = {g['sample_rate']:.6g}, expected batch {g['expected_batch_size']:.6g}), every example's gradient "
-        f"clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping), Gaussian noise of σ = "
+        f"to {g['privacy_unit']} of the {g['dataset_size']} training {units}: DP-SGD with {g['sampling']} sampling "
+        f"(rate q = {g['sample_rate']:.6g}, expected batch {g['expected_batch_size']:.6g} {units}), every {unit}'s "
+        f"{'summed ' if users else ''}gradient clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping), "
+        f"Gaussian noise of σ = "
         f"{g['noise_multiplier']:.6g} times C once per step, {g['steps']} steps in {g['segments']} segment(s) of the "
         f"weights' privacy history, ε from the {g['accountant']} accountant. Neighbouring datasets differ by adding or "
-        f"removing one example; under replace-one (one example substituted, N public) ε = "
+        f"removing one {unit}; under replace-one (one {unit} substituted, N public) ε = "
         f"{_shown(g.get('epsilon_replace_one'))} (dp-accounting PLD). Anything computed from these weights alone "
         "(generated text, predictions) has the same guarantee."
     )
@@ -222,8 +249,11 @@ _FACTS = (
     ("steps", "DP steps"),
     ("segments", "DP segments (fits, resumes, refits)"),
     ("non_private_steps", "steps without DP-SGD"),
-    ("dataset_size", "training rows N"),
+    ("dataset_size", "training rows N (users, under user-level DP)"),
     ("privacy_unit", "privacy unit"),
+    ("users", "training users N"),
+    ("max_rows_per_user", "rows of a user per step (at most)"),
+    ("largest_user_rows", "rows of the largest user"),
     ("clipping", "clipping mode"),
     ("tied_norm", "tied-weight norm"),
     ("noise", "noise seeding"),

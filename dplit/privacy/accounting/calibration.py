@@ -74,7 +74,9 @@ def calibrate_noise_multiplier(
     return sigma
 
 
-def search_noise_multiplier(spent: Callable[[float], float], *, target: float, tol: float, plan: str) -> tuple[float, float]:
+def search_noise_multiplier(
+    spent: Callable[[float], float], *, target: float, tol: float, plan: str
+) -> tuple[float, float]:
     """(σ, ε): try σ = 10, 100, 1000 in turn and search below the first that reaches the target."""
     lower: tuple[float, float | None] = (SIGMA_FLOOR, None)
     for sigma in _SIGMA_LADDER:

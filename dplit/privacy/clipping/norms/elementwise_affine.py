@@ -115,7 +115,9 @@ def _batched_gradients(
             grads = torch.autograd.grad(output, list(expanded.values()), output_grad.to(output.dtype))
     except RuntimeError:  # e.g. F.rms_norm / F.layer_norm require the parameter's own shape
         return None
-    return {name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads, strict=True)}  # [B, *shape]
+    return {
+        name: grad.reshape((size, *shapes[name])) for name, grad in zip(expanded, grads, strict=True)
+    }  # [B, *shape]
 
 
 def _vmap_gradients(

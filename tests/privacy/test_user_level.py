@@ -1,0 +1,123 @@
+"""DP-SGD over users (data.privacy_unit: user): N and q count users, each user's summed gradient is clipped once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from opacus.accountants import PRVAccountant
+from torch.utils.data import DataLoader
+
+from dplit.backbone.embeddings import TiedEmbeddings
+from dplit.cli.lightning_cli import run_cli
+from dplit.data.batches import PadCollator, TokenizedDataset
+from dplit.privacy.accounting import default_delta
+from dplit.privacy.clipping.units import UNIT_KEY, units_of
+from dplit.privacy.dpsgd import DPSGD, split_batch
+from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.settings import DPSGDSettings
+from dplit.release.export import export_checkpoint
+from dplit.release.guarantee import GUARANTEE_FILE
+from dplit.tasks.classifier import CausalLMClassifier
+from tests.helpers.brute_force import clipped_sum, per_unit_gradients
+from tests.helpers.commands import checkpoint_of, quickstart_args, steps
+from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
+
+USERS = [0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 4, 5]
+"""13 rows of 6 users, of 1 to 5 rows."""
+CLIP = 0.05
+
+
+def user_dataset(max_rows: int = 3) -> TokenizedDataset:
+    """Random prompts of 2 to 8 tokens owned by :data:`USERS`."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (int(torch.randint(2, 9, (1,), generator=generator)),), generator=generator)
+               for _ in USERS]  # fmt: skip
+    return TokenizedDataset([p.tolist() for p in prompts], [int(p[0]) % 2 for p in prompts], users=USERS,
+                            max_rows_per_user=max_rows)  # fmt: skip
+
+
+def classifier() -> CausalLMClassifier:
+    torch.manual_seed(0)
+    model = CausalLMClassifier(
+        config=TINY_GPT2, vocab_size=VOCAB, label_word_ids=LABEL_WORDS, embeddings=TiedEmbeddings()
+    )
+    return model.double()
+
+
+def dpsgd_on(model: CausalLMClassifier, dataset: TokenizedDataset, *, batch: int, micro: int) -> DPSGD:
+    settings = DPSGDSettings(
+        max_grad_norm=CLIP, noise_multiplier=0.0, target_delta=1e-3, max_physical_batch_size=micro, self_check=False
+    )
+    dpsgd = DPSGD(model, settings, history=PrivacyHistory())
+    dpsgd.sample(DataLoader(dataset, batch_size=batch, collate_fn=PadCollator(pad_token_id=0)))
+    return dpsgd
+
+
+def test_n_and_q_count_users_and_each_users_rows_are_clipped_together() -> None:
+    """σ = 0, float64: the release is Σ_u clip_C(Σ_{i∈u} g_i) / (q·U), micro-batches never splitting a user."""
+    model, dataset = classifier(), user_dataset(max_rows=3)
+    dpsgd = dpsgd_on(model, dataset, batch=3, micro=3)
+    assert dpsgd.dataset_size == 6 and dpsgd.sample_rate == pytest.approx(3 / 6)
+    dpsgd.start(planned_steps=1)
+    rows = [0, 1, 2, 3, 4, 5, 7, 8, 9]  # users 0, 1, 2 whole (1, 2, 3 rows) and 3 of user 4's 5 rows
+    batch = PadCollator(pad_token_id=0)([dataset[i] for i in rows])
+    dpsgd.clip(model.per_example_loss, batch)
+    dpsgd.release()
+    plain = {key: value for key, value in batch.items() if key != UNIT_KEY}
+    users = per_unit_gradients(model, model.per_example_loss, plain, batch[UNIT_KEY])
+    expected = clipped_sum(users, CLIP)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name] / 3, rtol=0, atol=1e-12, msg=name)
+
+
+def test_micro_batches_hold_whole_users() -> None:
+    batch = {"x": torch.arange(9), UNIT_KEY: torch.tensor([5, 5, 1, 7, 7, 7, 1, 2, 2])}
+    chunks = list(split_batch(batch, 4))
+    assert sorted(torch.cat([c["x"] for c in chunks]).tolist()) == list(range(9))
+    for chunk in chunks:
+        assert len(chunk["x"]) <= 4
+    owners = [set(chunk[UNIT_KEY].tolist()) for chunk in chunks]
+    assert all(not (a & b) for i, a in enumerate(owners) for b in owners[i + 1 :])  # no user in two micro-batches
+
+
+def test_micro_batches_smaller_than_k_are_refused() -> None:
+    dpsgd = dpsgd_on(classifier(), user_dataset(max_rows=3), batch=3, micro=2)
+    with pytest.raises(ValueError, match="max_physical_batch_size=2 is below data.max_rows_per_user=3"):
+        dpsgd.start(planned_steps=1)
+
+
+def test_an_expected_batch_larger_than_the_users_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"data.batch_size must be in \[1, 6\] \(the expected users per batch"):
+        dpsgd_on(classifier(), user_dataset(), batch=7, micro=8)
+
+
+def test_sampled_users_bring_at_most_k_rows() -> None:
+    dpsgd = dpsgd_on(classifier(), user_dataset(max_rows=2), batch=3, micro=4)
+    loader = dpsgd.sample(DataLoader(user_dataset(max_rows=2), batch_size=3, collate_fn=PadCollator(pad_token_id=0)))
+    for batch in loader:
+        units = units_of(batch)
+        if units is not None:
+            assert units.most_rows <= 2
+
+
+@pytest.mark.slow
+def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) -> None:
+    """The quickstart over its synthetic users: ε over (q = B/users, σ, steps) equals opacus' for the same numbers."""
+    args = quickstart_args(tmp_path, *steps(3), "--data.privacy_unit", "user", "--data.max_rows_per_user", "4")
+    cli = run_cli(["fit", *args, "--trainer.strategy.init_args.target_epsilon", "null",
+                   "--trainer.strategy.init_args.noise_multiplier", "1.0"])  # fmt: skip
+    dpsgd = cli.trainer.strategy.dpsgd
+    users = max(cli.datamodule.dataset("train").users) + 1
+    assert dpsgd.dataset_size == users < len(cli.datamodule.dataset("train"))
+    reference = PRVAccountant()
+    assert dpsgd.steps >= 2 and dpsgd.epsilon_steps == dpsgd.steps  # an epoch is users / batch steps
+    reference.history = [(1.0, cli.datamodule.batch_size / users, dpsgd.steps)]
+    assert dpsgd.epsilon_spent == pytest.approx(reference.get_epsilon(default_delta(users)), rel=1e-3)
+    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "out")
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "with respect to one user (all of that user's training rows; at most 4" in card
+    assert f"of the {users} training users" in card
+    guarantee = (tmp_path / "out" / GUARANTEE_FILE).read_text()
+    assert f'"users": {users}' in guarantee and '"max_rows_per_user": 4' in guarantee
