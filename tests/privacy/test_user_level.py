@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,14 @@ from dplit.privacy.accounting import default_delta
 from dplit.privacy.clipping.units import UNIT_KEY, units_of
 from dplit.privacy.dpsgd import DPSGD, split_batch
 from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.ledger import LEDGER_FILE, history_steps
 from dplit.privacy.settings import DPSGDSettings
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import clipped_sum, per_unit_gradients
 from tests.helpers.commands import checkpoint_of, quickstart_args, steps
+from tests.helpers.executable import run_dplit
 from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 
 USERS = [0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 4, 5]
@@ -121,3 +124,15 @@ def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) ->
     assert f"of the {users} training users" in card
     guarantee = (tmp_path / "out" / GUARANTEE_FILE).read_text()
     assert f'"users": {users}' in guarantee and '"max_rows_per_user": 4' in guarantee
+
+
+@pytest.mark.slow
+def test_two_data_parallel_processes_train_over_users(tmp_path: Path) -> None:
+    """DDP through the real ``dplit``: users (not rows) sharded over 2 gloo ranks, N and q over users, one ledger."""
+    users = ["--data.privacy_unit", "user", "--data.max_rows_per_user", "4"]
+    ddp = ["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.limit_train_batches", "2"]
+    done = run_dplit("fit", *quickstart_args(tmp_path, *ddp, "--trainer.max_epochs", "1", *users))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ledger = json.loads(max(tmp_path.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime).read_text())
+    assert ledger["privacy_unit"] == "user" and ledger["users"] == ledger["dataset_size"] < 200
+    assert history_steps(ledger["accountant"]["history"]) == 2
