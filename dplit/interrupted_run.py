@@ -17,7 +17,9 @@ INTERRUPT_CHECKPOINT = "interrupted.ckpt"
 def interrupt_checkpoint_path(trainer: Trainer, log_dir: str | None) -> Path:
     """``interrupted.ckpt`` in the run's ``ModelCheckpoint`` folder, else in ``<log_dir>/checkpoints``."""
     folder = getattr(trainer.checkpoint_callback, "dirpath", None)
-    return (Path(folder) if folder else Path(log_dir or trainer.default_root_dir) / "checkpoints") / INTERRUPT_CHECKPOINT
+    return (
+        Path(folder) if folder else Path(log_dir or trainer.default_root_dir) / "checkpoints"
+    ) / INTERRUPT_CHECKPOINT
 
 
 def save_interrupted_run(

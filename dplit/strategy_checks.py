@@ -61,4 +61,3 @@ def check_module(module: LightningModule) -> None:
         )
     if not module.automatic_optimization:
         raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
-

@@ -48,6 +48,11 @@ class DPSGDHooks:
         self,
         *,
         max_grad_norm: float,
+        clip_mode: Literal["fixed", "quantile", "automatic"] = "fixed",
+        target_quantile: float | None = None,
+        clip_learning_rate: float | None = None,
+        count_noise_multiplier: float | None = None,
+        automatic_stability: float | None = None,
         noise_multiplier: float | None = None,
         target_epsilon: float | None = None,
         target_delta: float | None = None,
@@ -63,7 +68,9 @@ class DPSGDHooks:
     ) -> None:
         super().__init__(**kwargs)  # the Lightning strategy's own arguments
         self.settings = DPSGDSettings(
-            max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
+            max_grad_norm=max_grad_norm, clip_mode=clip_mode, target_quantile=target_quantile,
+            clip_learning_rate=clip_learning_rate, count_noise_multiplier=count_noise_multiplier,
+            automatic_stability=automatic_stability, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
             max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
             allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
@@ -155,7 +162,7 @@ class DPSGDHooks:
             return torch.zeros((), device=self.root_device)
         if not self.settings.private_diagnostics:
             return stats.losses.float().mean()
-        return log_clipping(self.lightning_module, stats.losses, stats.norms, self.settings.max_grad_norm)
+        return log_clipping(self.lightning_module, stats.losses, stats.norms, self.dpsgd.clip_bound)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

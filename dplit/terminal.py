@@ -82,6 +82,7 @@ def unknown_command(argv: list[str]) -> str | None:
     hint = f" (did you mean 'dplit {close[0]}'?)" if close else ""
     return f"invalid choice: {argv[1 if lm else 0]!r}{hint}; the commands: {', '.join(COMMANDS)} (dplit --help)"
 
+
 UNACTIONABLE_WARNINGS = (
     r".*isinstance\(treespec, LeafSpec\)` is deprecated",  # Lightning's pytree use under new torch
     r"Optimal order is the largest alpha",  # opacus' RDP analysis inside the PRV accountant and σ calibration

@@ -210,7 +210,9 @@ def _built(class_path: str, init_args: dict[str, Any]) -> Any:
     """An instance of the peft config class named ``class_path`` (as a checkpoint's hyperparameters store it)."""
     module_name, _, class_name = class_path.rpartition(".")
     try:
-        kind = getattr(importlib.import_module(module_name), class_name, None) if module_name.startswith("peft") else None
+        kind = (
+            getattr(importlib.import_module(module_name), class_name, None) if module_name.startswith("peft") else None
+        )
     except ImportError:
         kind = None
     if not (isinstance(kind, type) and issubclass(kind, PeftConfig)):

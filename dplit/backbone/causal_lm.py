@@ -73,7 +73,9 @@ def build_causal_lm(
     refuse_rewritten_rope(model, f"model.pretrained={pretrained!r}")
     rows = model.get_input_embeddings().weight.shape[0]
     if vocab_size is not None and vocab_size > rows:
-        raise ValueError(f"the tokenizer has {vocab_size} tokens but model.pretrained={pretrained!r} has only {rows} embeddings")
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but model.pretrained={pretrained!r} has only {rows} embeddings"
+        )
     return model
 
 

@@ -36,7 +36,9 @@ def quantization_config(settings: dict[str, Any]) -> BitsAndBytesConfig:
     """
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(f"{FLAG} needs the 'bitsandbytes' package: pip install 'dplit[qlora]' (or bitsandbytes)")
-    known = [name for name in inspect.signature(BitsAndBytesConfig.__init__).parameters if name not in ("self", "kwargs")]
+    known = [
+        name for name in inspect.signature(BitsAndBytesConfig.__init__).parameters if name not in ("self", "kwargs")
+    ]
     for key in settings:
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)

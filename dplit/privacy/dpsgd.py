@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 
 from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, check_accountable, default_delta
+from dplit.privacy.clip_bound import QuantileClipBound
 from dplit.privacy.clipping import GhostEngine, build_engine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.self_check import check_ghost_norms
@@ -53,6 +54,11 @@ from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.world import SingleProcess, World
 
 log = logging.getLogger(__name__)
+
+AUTOMATIC_STABILITY = 0.01
+"""Automatic clipping's default γ (Bu et al. 2023)."""
+TARGET_QUANTILE, CLIP_LEARNING_RATE, COUNT_NOISE_SHARE = 0.5, 0.2, 1 / 20
+"""Quantile clipping's defaults (Andrew et al. 2021): γ, η, and σ_b as a share of the expected batch."""
 
 SumHook = Callable[["DPSGD", Tensor], None]
 """``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
@@ -105,6 +111,9 @@ class DPSGD:
         self._dataset_size: int | None = None
         self._rows: IndexedRows | None = None
         self._user_level: UserLevel | None = None
+        self._clip_bound: QuantileClipBound | None = None
+        self._restored_clip_bound: dict[str, Any] = {}
+        self._unclipped = 0.0  # this step's examples at most C_t on this rank (quantile mode; private until noised)
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
@@ -232,7 +241,8 @@ class DPSGD:
         self._check_users_fit_a_micro_batch()
         self._planned_steps, self._steps_done = planned_steps, steps_done
         self._open_ledger(delta, log_dir, resumed_from)
-        self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=1)
+        self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=2)
+        self._start_clip_bound()
         if self._buffer_handle is not None:
             self._buffer_handle.remove()
         self._buffer_handle = self.engine.register_summed_hook(self._buffer.receive)
@@ -271,6 +281,8 @@ class DPSGD:
                 stats = self.engine.accumulate(loss_fn, micro_batch)
                 losses.append(stats.losses)
                 norms.append(stats.norms)
+                if self._clip_bound is not None:
+                    self._unclipped += self._clip_bound.unclipped(stats.norms)
             for _ in range(placeholders):  # sharded weights: every rank runs every forward pass, these add zero
                 self.engine.accumulate(_contributing_nothing(loss_fn), placeholder_example(batch))
         self._state_guard.check()  # before any noise or step: nothing written from private data is released
@@ -325,8 +337,10 @@ class DPSGD:
         return self._ledger.state(self.facts())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue a checkpoint's ledger (its run id, steps, σ and N): :meth:`start` picks it up."""
+        """Continue a checkpoint's ledger (its run id, steps, σ and N, C_t): :meth:`start` picks it up."""
         self._ledger.restore(state)
+        if state.get("clip_mode") == "quantile":
+            self._restored_clip_bound = {key: state.get(key) for key in ("clip_bound", "clip_quantile_estimate")}
 
     def facts(self) -> dict[str, Any]:
         """What the ledger records beside the accountant's history (never a seed)."""
@@ -340,6 +354,7 @@ class DPSGD:
             "expected_batch_size": self.expected_batch_size if self._sample_rate is not None else None,
             "epsilon_steps": self._epsilon_steps,
             "sampling": "poisson",
+            **self._clip_facts(),
             **(self._user_level.facts() if self._user_level is not None else {"privacy_unit": "example"}),
             "clipping": settings.clipping,
             "tied_norm": settings.tied_norm,
@@ -350,17 +365,76 @@ class DPSGD:
             "privacy_history": self.history.state_dict(),
         }
 
+    def _clip_facts(self) -> dict[str, Any]:
+        """The clipping mode and its state: C_t, γ, η, σ_b, σ_eff (public: no value computed without noise)."""
+        settings = self.settings
+        facts: dict[str, Any] = {"clip_mode": settings.clip_mode}
+        if settings.clip_mode == "automatic":
+            facts["automatic_stability"] = self.engine.stability
+        if self._clip_bound is not None:
+            facts.update(
+                self._clip_bound.state_dict(),
+                target_quantile=self._clip_bound.target_quantile,
+                clip_learning_rate=self._clip_bound.learning_rate,
+                count_noise_multiplier=self._clip_bound.count_noise_multiplier,
+                gradient_noise_multiplier=self.gradient_noise_multiplier,
+            )
+        return facts
+
     # --- inside the steps ------------------------------------------------------------------------------------------
 
     def _noisy_sum(self, *, stop: bool) -> None:
         """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
         buffer = self._started_buffer()
         _call(self._before_noise, self, buffer.gradients)
-        buffer.extra.fill_(float(stop))
-        std = (self._noise_multiplier or 0.0) * self.settings.max_grad_norm
+        buffer.extra.copy_(torch.tensor([float(stop), self._noisy_local_count()]))
+        std = self.gradient_noise_multiplier * self.engine.max_grad_norm
         self.world.noisy_sum(buffer, std=std, generator=self._noise_generator)
         buffer.refuse_non_finite(step=self._ledger.steps + 1)
         _call(self._after_noise, self, buffer.gradients)
+        if self._clip_bound is not None:  # C_{t+1} from the noisy count (the same on every rank)
+            self._clip_bound.update(float(buffer.extra[1]), self.expected_batch_size)
+            self.engine.set_max_grad_norm(self._clip_bound.bound)
+        self._unclipped = 0.0
+
+    def _noisy_local_count(self) -> float:
+        """This rank's unclipped count, plus N(0, σ_b²) on rank 0 only (summed over ranks: noised once)."""
+        if self._clip_bound is None:
+            return 0.0
+        count = self._unclipped
+        if self.world.rank == 0 and self._noise_multiplier:
+            generator = self.noise_source.generator("count", steps=self._ledger.steps, device=torch.device("cpu"))
+            count += (
+                float(torch.randn((), generator=generator, dtype=torch.float64))
+                * self._clip_bound.count_noise_multiplier
+            )
+        return count
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The gradient's noise std in units of C: σ, or σ_eff ≥ σ under quantile clipping (the count takes a share)."""
+        sigma = self._noise_multiplier or 0.0
+        return self._clip_bound.gradient_noise_multiplier(sigma) if self._clip_bound is not None else sigma
+
+    @property
+    def clip_bound(self) -> float:
+        """The clipping bound C of the next step (moves under quantile clipping)."""
+        return self.engine.max_grad_norm
+
+    def _start_clip_bound(self) -> None:
+        """Quantile mode: C_0 (or a resumed checkpoint's C_t), and σ_eff checked before any step."""
+        settings = self.settings
+        if settings.clip_mode != "quantile":
+            return
+        self._clip_bound = QuantileClipBound(
+            initial=settings.max_grad_norm,
+            target_quantile=settings.target_quantile or TARGET_QUANTILE,
+            learning_rate=settings.clip_learning_rate or CLIP_LEARNING_RATE,
+            count_noise_multiplier=settings.count_noise_multiplier or COUNT_NOISE_SHARE * self.expected_batch_size,
+        )
+        self._clip_bound.load_state_dict(self._restored_clip_bound)
+        self.engine.set_max_grad_norm(self._clip_bound.bound)
+        self._clip_bound.gradient_noise_multiplier(self._noise_multiplier or 0.0)  # refuses σ_b too small, now
 
     def _noise_generator(self, rank: int) -> torch.Generator:
         """A fresh generator for the noise ``rank`` draws in this step (its own stream: ranks draw independently)."""
@@ -569,7 +643,8 @@ class DPSGD:
 def clipping_engine(module: nn.Module, settings: DPSGDSettings) -> ClippingEngine:
     """The clipping engine ``settings.clipping`` names, built for ``module``."""
     options = {"tied_norm": settings.tied_norm} if settings.clipping == "ghost" else {}
-    return build_engine(settings.clipping, module, max_grad_norm=settings.max_grad_norm, **options)
+    stability = (settings.automatic_stability or AUTOMATIC_STABILITY) if settings.clip_mode == "automatic" else None
+    return build_engine(settings.clipping, module, max_grad_norm=settings.max_grad_norm, stability=stability, **options)
 
 
 def batch_size(batch: Batch) -> int:

@@ -24,7 +24,26 @@ class DPSGDSettings:
     """
 
     max_grad_norm: float
-    """C: every example's gradient is clipped to norm ≤ C, and the noise's standard deviation is σ·C."""
+    """C: every example's gradient is clipped to norm ≤ C, and the noise's standard deviation is σ·C (the initial
+    C_0 under ``clip_mode: quantile``; the update's scale under ``clip_mode: automatic``)."""
+
+    clip_mode: Literal["fixed", "quantile", "automatic"] = "fixed"
+    """``"fixed"``: C = ``max_grad_norm``; ``"quantile"``: C follows a quantile of the norms, estimated privately
+    (Andrew et al. 2021); ``"automatic"``: every gradient scaled by C / (‖g‖ + γ), nothing to tune (Bu et al.
+    2023). See :mod:`dplit.privacy.clip_bound`."""
+
+    target_quantile: float | None = None
+    """Quantile mode: γ in (0, 1), the share of examples to leave unclipped (default 0.5)."""
+
+    clip_learning_rate: float | None = None
+    """Quantile mode: η > 0, the geometric step of C's update (default 0.2, as Andrew et al.)."""
+
+    count_noise_multiplier: float | None = None
+    """Quantile mode: σ_b > 0, the noise std of the unclipped count, in examples (default: expected batch / 20,
+    as Andrew et al.); the gradient's noise rises to σ_eff = (σ⁻² − (2σ_b)⁻²)^(−½) so ε stays that of σ."""
+
+    automatic_stability: float | None = None
+    """Automatic mode: γ > 0 in C / (‖g‖ + γ) (default 0.01, as Bu et al.)."""
 
     noise_multiplier: float | None = None
     """σ, the noise's standard deviation in units of C; give this or ``target_epsilon``, not both. 0 adds no noise
@@ -82,8 +101,31 @@ class DPSGDSettings:
         if self.max_physical_batch_size < 1:
             raise ValueError(f"{FLAG_OWNER}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
         _require_choice("clipping", self.clipping, CLIPPING_ENGINES)
+        _require_choice("clip_mode", self.clip_mode, CLIP_MODES)
+        self._check_clip_mode_knobs()
         _require_choice("tied_norm", self.tied_norm, TIED_NORMS)
         _require_choice("accountant", self.accountant, ACCOUNTANTS)
+
+    def _check_clip_mode_knobs(self) -> None:
+        """Each mode's own knobs in range, and none of them set under another mode (one line naming the flag)."""
+        knobs = {
+            "target_quantile": "quantile", "clip_learning_rate": "quantile", "count_noise_multiplier": "quantile",
+            "automatic_stability": "automatic",
+        }  # fmt: skip
+        for field, mode in knobs.items():
+            value = getattr(self, field)
+            if value is not None and self.clip_mode != mode:
+                raise ValueError(
+                    f"{FLAG_OWNER}.{field} is a knob of clip_mode={mode!r}, but clip_mode={self.clip_mode!r}"
+                )
+        if self.target_quantile is not None and not is_finite_number(self.target_quantile, above=0, below=1):
+            raise ValueError(f"{FLAG_OWNER}.target_quantile must be in (0, 1), got {self.target_quantile}")
+        for field in ("clip_learning_rate", "count_noise_multiplier", "automatic_stability"):
+            if getattr(self, field) is not None:
+                require_finite(field, getattr(self, field), above=0.0)
+
+
+CLIP_MODES = ("fixed", "quantile", "automatic")
 
 
 def require_finite(field: str, value: float, *, above: float | None = None, at_least: float | None = None) -> None:

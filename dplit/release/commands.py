@@ -53,7 +53,9 @@ def export_main(argv: list[str]) -> None:
     parser.add_argument("--adapter_only", action="store_true", help="write peft's adapter folder instead of merging")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier dplit export in --output_dir")
     parser.add_argument(
-        "--data_description", default=None, help="the training data as the card names it (default: the file's base name)"
+        "--data_description",
+        default=None,
+        help="the training data as the card names it (default: the file's base name)",
     )
     args = parser.parse_args(argv)
     rank_zero_info(f"exporting {args.ckpt_path}: rebuilding the model, merging adapters, writing weights and card ...")
@@ -116,7 +118,9 @@ def _generate_parser() -> OneLineArgumentParser:
     parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (the samples are public)")
     parser.add_argument("--batch_size", type=int, default=defaults.batch_size)
-    parser.add_argument("--device", default=None, help="torch device to sample on (default: cuda when available, else cpu)")
+    parser.add_argument(
+        "--device", default=None, help="torch device to sample on (default: cuda when available, else cpu)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --output_file")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     return parser

@@ -81,12 +81,37 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "privacy_unit": privacy_unit_text(last),
         **_user_counts(last),
         "clipping": last.get("clipping"),
+        "clip_mode": last.get("clip_mode", "fixed"),
+        **{key: last[key] for key in CLIP_MODE_FACTS if last.get(key) is not None},
         "tied_norm": last.get("tied_norm"),
         "noise": _noise_sources(segments),
         "run_id": last.get("run_id"),
         **record,
         **facts,
     }
+
+
+CLIP_MODE_FACTS = (
+    "automatic_stability", "target_quantile", "clip_learning_rate", "count_noise_multiplier",
+    "gradient_noise_multiplier", "clip_bound",
+)  # fmt: skip
+"""The clipping mode's own facts a card states (quantile: γ, η, σ_b, σ_eff and the last C; automatic: γ)."""
+
+
+def _clipping_text(g: dict[str, Any]) -> str:
+    """How each unit's gradient was bounded, for the card's statement."""
+    if g.get("clip_mode") == "quantile":
+        return (
+            f"clipped to a bound C_t that privately tracks the {g.get('target_quantile')}-quantile of the norms "
+            f"(C_0 = {g['max_grad_norm']}, last C = {_shown(g.get('clip_bound'))}; {g['clipping']} clipping; the "
+            f"noisy count and the gradient together are one Gaussian mechanism of multiplier σ)"
+        )
+    if g.get("clip_mode") == "automatic":
+        return (
+            f"scaled by C / (‖g‖ + {g.get('automatic_stability')}) to norm below C = {g['max_grad_norm']} "
+            f"(automatic clipping, {g['clipping']})"
+        )
+    return f"clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping)"
 
 
 def privacy_unit_text(facts: dict[str, Any]) -> str:
@@ -225,7 +250,7 @@ def _statement(g: dict[str, Any]) -> str:
         f"The weights in this folder are ({g['epsilon']:.4g}, {g['delta']:.3g})-differentially private with respect "
         f"to {g['privacy_unit']} of the {g['dataset_size']} training {units}: DP-SGD with {g['sampling']} sampling "
         f"(rate q = {g['sample_rate']:.6g}, expected batch {g['expected_batch_size']:.6g} {units}), every {unit}'s "
-        f"{'summed ' if users else ''}gradient clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping), "
+        f"{'summed ' if users else ''}gradient {_clipping_text(g)}, "
         f"Gaussian noise of σ = "
         f"{g['noise_multiplier']:.6g} times C once per step, {g['steps']} steps in {g['segments']} segment(s) of the "
         f"weights' privacy history, ε from the {g['accountant']} accountant. Neighbouring datasets differ by adding or "
@@ -254,7 +279,14 @@ _FACTS = (
     ("users", "training users N"),
     ("max_rows_per_user", "rows of a user per step (at most)"),
     ("largest_user_rows", "rows of the largest user"),
-    ("clipping", "clipping mode"),
+    ("clipping", "clipping engine"),
+    ("clip_mode", "clipping bound"),
+    ("target_quantile", "target quantile γ of the norms"),
+    ("clip_learning_rate", "bound learning rate η"),
+    ("count_noise_multiplier", "count noise σ_b (examples)"),
+    ("gradient_noise_multiplier", "gradient noise multiplier σ_eff"),
+    ("clip_bound", "last clipping bound C"),
+    ("automatic_stability", "automatic clipping γ"),
     ("tied_norm", "tied-weight norm"),
     ("noise", "noise seeding"),
     ("embedding_policy", "embedding policy"),

@@ -20,7 +20,10 @@ from dplit.release.guarantee import guarantee_of, quantization_summary
 from dplit.release.provenance import RELEASE_KEY
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
 
-MODULES = {"classifier": "dplit.tasks.classifier.CausalLMClassifier", "lm": "dplit.tasks.language_model.CausalLanguageModel"}
+MODULES = {
+    "classifier": "dplit.tasks.classifier.CausalLMClassifier",
+    "lm": "dplit.tasks.language_model.CausalLanguageModel",
+}
 DATAMODULES = {"classifier": "dplit.data.glue.GlueDataModule", "lm": "dplit.data.text.TextDataModule"}
 
 
@@ -169,7 +172,9 @@ def _record_from_config(
         config = beside
     run = _read_config(config)
     kind = _kind(checkpoint["hyper_parameters"])
-    embeddings = (run.get("model") or {}).get("embeddings") or {"class_path": "dplit.backbone.embeddings.UntiedEmbeddings"}
+    embeddings = (run.get("model") or {}).get("embeddings") or {
+        "class_path": "dplit.backbone.embeddings.UntiedEmbeddings"
+    }
     if isinstance(embeddings, str):
         embeddings = {"class_path": embeddings}
     return {"module": MODULES[kind], "datamodule": DATAMODULES[kind], "embeddings": embeddings}

@@ -28,8 +28,10 @@ class ClipStats:
     norms: Tensor
 
 
-def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
-    """Per-example factors c_i = min(1, C / ‖g_i‖) so that ‖c_i g_i‖ ≤ C."""
+def clip_factors(norms: Tensor, max_grad_norm: float, *, stability: float | None = None) -> Tensor:
+    """Per-example factors c_i with ‖c_i g_i‖ ≤ C: min(1, C / ‖g_i‖), or C / (‖g_i‖ + γ) (automatic, γ = ``stability``)."""
+    if stability is not None:  # automatic clipping (AUTO-S): every example normalised, ‖c_i g_i‖ < C
+        return max_grad_norm / (norms + stability)
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
 
 
@@ -57,13 +59,18 @@ class ClippingEngine(ABC):
     Args:
         module: the model whose trainable parameters are privatised.
         max_grad_norm: the clipping bound C.
+        stability: automatic clipping's γ: every example scaled by C / (‖g_i‖ + γ) instead of clipped
+            (``None``: clipped to C).
     """
 
-    def __init__(self, module: nn.Module, *, max_grad_norm: float) -> None:
+    def __init__(self, module: nn.Module, *, max_grad_norm: float, stability: float | None = None) -> None:
         if not is_finite_number(max_grad_norm, above=0):
             raise ValueError(f"max_grad_norm must be a finite number > 0, got {max_grad_norm}")
+        if stability is not None and not is_finite_number(stability, above=0):
+            raise ValueError(f"automatic clipping's stability must be a finite number > 0, got {stability}")
         self._module = module
         self._max_grad_norm = float(max_grad_norm)
+        self.stability = stability
         self._summed_hooks: OrderedDict[int, SummedHook] = OrderedDict()
 
     def register_summed_hook(self, hook: SummedHook) -> RemovableHandle:
@@ -89,6 +96,16 @@ class ClippingEngine(ABC):
     def max_grad_norm(self) -> float:
         """The clipping bound C."""
         return self._max_grad_norm
+
+    def set_max_grad_norm(self, bound: float) -> None:
+        """Clip the next micro-batches to ``bound`` (quantile-adaptive clipping moves C between steps)."""
+        if not is_finite_number(bound, above=0):
+            raise ValueError(f"the clipping bound must be a finite number > 0, got {bound}")
+        self._max_grad_norm = float(bound)
+
+    def factors(self, norms: Tensor) -> Tensor:
+        """Each example's clip factor for its norm (see :func:`clip_factors`)."""
+        return clip_factors(norms, self._max_grad_norm, stability=self.stability)
 
     def check_parameters(self) -> None:  # noqa: B027 (optional: an engine that clips anything checks nothing)
         """Refuse (``ValueError`` naming it) a trainable parameter no rule covers, before any data is seen."""

@@ -27,7 +27,6 @@ from dplit.privacy.clipping.engine import (
     ClipStats,
     PerExampleLoss,
     add_to_grad,
-    clip_factors,
     trainable_parameters,
 )
 from dplit.privacy.clipping.norms import (
@@ -120,6 +119,7 @@ class GhostEngine(ClippingEngine):
     Args:
         module: the model whose trainable parameters are privatised.
         max_grad_norm: the clipping bound C.
+        stability: automatic clipping's γ (each example scaled by C / (‖g_i‖ + γ)); ``None`` clips to C.
         tied_norm: for a parameter used more than once, ``"exact"`` (cross terms) or ``"bound"``
             (Σ of per-use norms: sound, over-clips).
         rules: norm rules by exact module type (default: :data:`dplit.privacy.clipping.norms.NORM_RULES`).
@@ -130,10 +130,11 @@ class GhostEngine(ClippingEngine):
         module: nn.Module,
         *,
         max_grad_norm: float,
+        stability: float | None = None,
         tied_norm: TiedNorm = "exact",
         rules: Mapping[type[nn.Module], NormRule] | None = None,
     ) -> None:
-        super().__init__(module, max_grad_norm=max_grad_norm)
+        super().__init__(module, max_grad_norm=max_grad_norm, stability=stability)
         if tied_norm not in ("exact", "bound"):
             raise ValueError(f"tied_norm must be 'exact' or 'bound', got {tied_norm!r}")
         self._tied_norm: TiedNorm = tied_norm
@@ -262,7 +263,7 @@ class GhostEngine(ClippingEngine):
                 squared = losses.new_zeros(losses.shape[0], dtype=torch.float64)
             norms = squared.sqrt()
             keep = torch.isfinite(norms)  # a non-finite norm: the example contributes nothing (dp/dropped_examples)
-            factors = torch.where(keep, clip_factors(norms, self.max_grad_norm), 0.0).to(dtype)
+            factors = torch.where(keep, self.factors(norms), 0.0).to(dtype)
             dropped = not bool(keep.all())
             for key, (_, param) in coverage.parameters.items():
                 if key in kept:

@@ -12,7 +12,6 @@ from dplit.privacy.clipping.engine import (
     ClipStats,
     PerExampleLoss,
     add_to_grad,
-    clip_factors,
     trainable_parameters,
 )
 from dplit.privacy.clipping.units import unit_sums, units_of, without_units
@@ -87,7 +86,7 @@ class PerExampleEngine(ClippingEngine):
         squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
         norms = torch.stack(squared).sum(0).sqrt()
         keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing
-        factors = torch.where(keep, clip_factors(norms, self._max_grad_norm), 0.0)
+        factors = torch.where(keep, self.factors(norms), 0.0)
         for name, param in trainable_parameters(self._module).items():
             g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
             g = torch.where(keep.reshape((-1,) + (1,) * (g.dim() - 1)), g, 0.0)
