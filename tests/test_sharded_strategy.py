@@ -98,3 +98,14 @@ def test_each_sharded_config_takes_a_step_on_a_tiny_model_of_its_family(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert ledger_steps(tmp_path) == 1
+
+
+def test_a_sharded_run_over_users_with_a_quantile_bound(tmp_path: Path) -> None:
+    """User-level DP and quantile clipping on FSDP2: users sharded over ranks, the count in the one all-reduce."""
+    extra = ["--data.privacy_unit", "user", "--data.max_rows_per_user", "4",
+             "--trainer.strategy.init_args.clip_mode", "quantile", "--trainer.max_epochs", "1"]  # fmt: skip
+    done = run_dplit("fit", *quickstart_args(tmp_path, *SHARDED, *extra))
+    assert done.returncode == 0, done.stderr[-3000:]
+    ledger = json.loads(max(tmp_path.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime).read_text())
+    assert ledger["privacy_unit"] == "user" and ledger["users"] == ledger["dataset_size"]
+    assert ledger["clip_mode"] == "quantile" and ledger["clip_bound"] != 1.0 and ledger_steps(tmp_path) == 2
