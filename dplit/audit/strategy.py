@@ -33,6 +33,11 @@ class CanaryDPStrategy(DPStrategy):
 
     def __init__(self, *, canaries: int = 1000, canary_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        if self.settings.clip_mode == "quantile":  # canaries would need to move with C_t and join the count
+            raise ValueError(
+                "dplit audit cannot audit DPStrategy.clip_mode=quantile yet (its canaries have a fixed norm C); "
+                "audit with clip_mode fixed or automatic"
+            )
         self._canary_count = canaries
         self._canary_seed = canary_seed
         self._canaries: GradientCanaries | None = None

@@ -21,6 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
 from dplit.audit.canaries import GradientCanaries, InputCanaries
 from dplit.audit.command import AUDIT_FILE, audit_main
+from dplit.audit.strategy import CanaryDPStrategy
 from dplit.privacy.warnings import PrivacyWarning
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
 from tests.helpers.executable import dplit_executable, user_environment
@@ -292,3 +293,9 @@ def test_the_audit_benchmark_runs_and_tabulates(tmp_path: Path) -> None:
     table = (tmp_path / "table.md").read_text()
     row = f"| {reports[0]['claimed_epsilon']:.2f} | {reports[0]['epsilon_lower_bound']:.2f} | {reports[1]['epsilon_lower_bound']:.2f} |"
     assert row in table
+
+
+def test_an_audit_of_quantile_clipping_is_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="cannot audit DPStrategy.clip_mode=quantile yet") as refused:
+        CanaryDPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, clip_mode="quantile")
+    assert "\n" not in str(refused.value)
