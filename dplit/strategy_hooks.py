@@ -32,6 +32,9 @@ from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
 from dplit.strategy_checks import check_module, check_trainer
 
+PUBLIC_UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
+"""What TensorBoard's hyperparameters show of the privacy unit and the clipping mode (public counts and names)."""
+
 
 class DPSGDHooks:
     """Poisson loaders, clipping in ``training_step``, no backward, the noisy release in ``optimizer_step``, the ledger.
@@ -151,6 +154,10 @@ class DPSGDHooks:
         )  # fmt: skip
         self._interrupt_path = interrupt_checkpoint_path(trainer, log_dir)
         trainer.should_stop = trainer.should_stop or spent
+        facts = self.dpsgd.facts()
+        unit = {key: facts[key] for key in PUBLIC_UNIT_FACTS if key in facts}  # counts only, never a user id
+        for logger in trainer.loggers:
+            logger.log_hyperparams({f"privacy/{key}": value for key, value in unit.items()})
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Tensor:
