@@ -4,17 +4,19 @@
 #                  one GPU with NCCL, CUDA peak-memory logging                                        (90 s)
 #   bench_gpt2     bench.run, GPT-2 size, B=16, T=128, bf16-mixed: non-private tied/untied, dplit ghost
 #                  tied/untied, dplit per-example tied, opacus ghost untied                            (80 s)
-#   bench_smollm2  the same rows at SmolLM2-135M's shape, B=16, T=64                                  (130 s)
+#   bench_smollm2  the same rows at SmolLM2-135M's shape, B=16, T=64                                  (100 s)
 #   tying          bench.tying, one seed at ε = 8 on real SST-2 with SmolLM2-135M-Instruct (GGUF from
 #                  $DPLIT_DATA_DIR): the DP tied and DP untied arms; 4096 train rows, B=512, 1 epoch  (170 s)
 #   fsdp_smoke     bench.fsdp at SmolLM2-135M's shape on CUDA with NCCL, B=8, T=64: sharded DP-SGD (FSDP2),
 #                  DP-SGD on whole replicas, non-private FSDP, at world size 1; with 2+ GPUs also world
 #                  size 2 (into fsdp_smoke/world2/)                                                    (40 s)
+#   memory_smoke   bench.memory at SmolLM2-135M's shape on CUDA, B=8, T=512, bf16 autocast, bf16 4-bit compute:
+#                  DP and non-private LoRA and QLoRA (NF4), each with and without checkpointing      (40 s)
 # Each part runs under `timeout` with its own budget, capped by what is left of DPLIT_GPU_TOTAL_S (525 s).
 # Writes bench/results/gpu/ (or $DPLIT_GPU_OUT): summary.md and summary.json (each part's status, exit code,
 # wall time and budget, the machine: nvidia-smi, torch, CUDA), machine.json, each part's console log
-# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/, fsdp_smoke/). Bulky scratch (Lightning
-# logs, the dequantised checkpoint) goes to bench/out/gpu/ (git-ignored; $DPLIT_GPU_WORK).
+# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/, fsdp_smoke/, memory_smoke/). Bulky
+# scratch (Lightning logs, the dequantised checkpoint) goes to bench/out/gpu/ (git-ignored; $DPLIT_GPU_WORK).
 # Without CUDA every part is skipped with the reason in the summary, in a few seconds, exit 0; such a run never
 # replaces the summary of an earlier GPU run in the default folder (it writes bench/out/gpu/cpu-check/).
 #
@@ -22,7 +24,7 @@
 #       bash benchmarks/gpu.sh           (the documented command: a wrapper that runs this script)
 # Each part runs in the repository root, as `python -m bench.<name>` or `python -m pytest`.
 # Env:  PYTHON (python), DPLIT_DATA_DIR (default ../shared/data, else shared/data), DPLIT_GPU_OUT, DPLIT_GPU_WORK,
-#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP (seconds per part)
+#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP / _MEMORY (seconds per part)
 set -uo pipefail
 
 CALLER_DIR=$PWD
@@ -37,9 +39,10 @@ GRACE=10  # seconds a part gets after SIGTERM before SIGKILL (counted inside the
 declare -A BUDGET=(
   [tests]=${DPLIT_GPU_BUDGET_TESTS:-90}
   [bench_gpt2]=${DPLIT_GPU_BUDGET_GPT2:-80}
-  [bench_smollm2]=${DPLIT_GPU_BUDGET_SMOLLM2:-130}
+  [bench_smollm2]=${DPLIT_GPU_BUDGET_SMOLLM2:-100}
   [tying]=${DPLIT_GPU_BUDGET_TYING:-170}
   [fsdp_smoke]=${DPLIT_GPU_BUDGET_FSDP:-40}
+  [memory_smoke]=${DPLIT_GPU_BUDGET_MEMORY:-40}
 )
 BENCH_CONFIGS=(non_private:untied non_private:tied dplit_ghost:untied dplit_ghost:tied dplit_per_example:tied
                opacus_ghost:untied)
@@ -131,10 +134,11 @@ if (( ! CUDA )) && [[ -z ${DPLIT_GPU_OUT:-} && -f $OUT/summary.json ]] \
 fi
 mkdir -p "$OUT" || exit 2
 for name in summary.json summary.md machine.json nvidia-smi.txt parts.tsv tests.log tests.junit.xml \
-            bench_gpt2.log bench_smollm2.log tying.log fsdp_smoke.log; do
+            bench_gpt2.log bench_smollm2.log tying.log fsdp_smoke.log memory_smoke.log; do
   rm -f -- "${OUT:?}/$name"
 done
-rm -rf -- "${OUT:?}/bench_gpt2" "${OUT:?}/bench_smollm2" "${OUT:?}/tying" "${OUT:?}/fsdp_smoke"
+rm -rf -- "${OUT:?}/bench_gpt2" "${OUT:?}/bench_smollm2" "${OUT:?}/tying" "${OUT:?}/fsdp_smoke" \
+          "${OUT:?}/memory_smoke"
 mv "$PROBE" "$OUT/machine.json"
 command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
@@ -314,6 +318,8 @@ part() {  # name: sets CMD to the part's command
     bench_gpt2) bench_command bench_gpt2 gpt2 128 60 ;;
     bench_smollm2) bench_command bench_smollm2 smollm2 64 70 ;;
     fsdp_smoke) fsdp_command ;;
+    memory_smoke) CMD=("$PYTHON" -m bench.memory --device cuda --size smollm2 --batch-size 8 --seq-len 512 --warmup 1
+                       --steps 2 --out "$OUT/memory_smoke") ;;
     tying) CMD=("$PYTHON" -m bench.tying --full --seeds 0 --epsilons 8 --arms dp_tied dp_untied
                 --train-examples 4096 --epochs 1 --batch-size 512 --physical-batch-size 128 --accelerator gpu
                 --precision bf16-mixed --timeout 75 --data-root "$DATA" --out "$OUT/tying" --logs "$WORK/tying/runs") ;;
@@ -334,7 +340,7 @@ after_tying() {  # each arm's console output beside the results (the Lightning l
 }
 
 echo "dplit gpu.sh: results in $OUT; budget ${TOTAL} s"
-for name in tests bench_gpt2 bench_smollm2 tying fsdp_smoke; do
+for name in tests bench_gpt2 bench_smollm2 tying fsdp_smoke memory_smoke; do
   part "$name"
   if (( ! CUDA )); then
     skip "$name" "$NO_CUDA_REASON" "${CMD[@]}"
