@@ -269,7 +269,11 @@ def table(results: dict[str, Any]) -> str:
     """The markdown page: machine, command, settings, one row per arm, the ratios against their targets."""
     s, arms = results["settings"], results["arms"].values()
     busy = [a["others_share"] for a in arms if (a.get("others_share") or 0) > BUSY]
-    noisy = f"**Noisy timings**: other processes used up to {max(busy):.0%} of the CPUs while steps were timed. "
+    noisy = (
+        f"**Noisy timings**: other processes used up to {max(busy):.0%} of the CPUs while steps were timed. "
+        if busy
+        else ""
+    )
     code = f"`` {results['command']} ``" if "`" in results["command"] else f"`{results['command']}`"
     memory = "CUDA max allocated" if s["device"] == "cuda" else "peak RSS (getrusage; the whole model exists at build)"
     return "\n".join([
@@ -279,7 +283,7 @@ def table(results: dict[str, Any]) -> str:
         f"B = {s['batch_size']} per rank, T = {s['seq_len']}, {s['policy']} embedding, {s['steps']} timed steps after "
         f"{s['warmup']} warm-up, {s['threads']} torch thread(s) per rank; σ = {s['sigma']}, C = {s['max_grad_norm']}, "
         f"ghost clipping; each arm in its own spawn. Peak memory: {memory}, the largest rank's.", "",
-        *([(noisy if busy else "") + s["note"], ""] if busy or s["note"] else []),
+        *([noisy + s["note"], ""] if busy or s["note"] else []),
         "| arm | status | step s (median) | CPU s / step | others | peak mem MiB / rank | state MiB / rank (params + "
         "grads + AdamW) |", "|---|---|---:|---:|---:|---:|---|", *map(arm_row, arms), "",
         "| ratio | value | target | met |", "|---|---:|---:|---|", *map(ratio_row, results["ratios"]), "",

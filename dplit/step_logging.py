@@ -1,4 +1,9 @@
-"""What a DP step logs: the privacy spent (public), and the clipping diagnostics (private, unless turned off)."""
+"""What a DP step logs: the privacy spent and the clipping bound (public), and the clipping diagnostics (private).
+
+``privacy/*`` and ``dp/clip_bound`` (and quantile clipping's noisy ``dp/clip_quantile_estimate``) are public;
+the other ``train/*`` and ``dp/*`` values are computed from private batches without noise, and are logged only
+with ``private_diagnostics``.
+"""
 
 from __future__ import annotations
 

@@ -388,7 +388,7 @@ class DPSGD:
         buffer = self._started_buffer()
         _call(self._before_noise, self, buffer.gradients)
         buffer.extra.copy_(torch.tensor([float(stop), self._noisy_local_count()]))
-        std = self.gradient_noise_multiplier * self.engine.max_grad_norm
+        std = self.gradient_noise_multiplier * self.clip_bound  # the claimed C_t, whatever the engine clipped to
         self.world.noisy_sum(buffer, std=std, generator=self._noise_generator)
         buffer.refuse_non_finite(step=self._ledger.steps + 1)
         _call(self._after_noise, self, buffer.gradients)
@@ -418,8 +418,8 @@ class DPSGD:
 
     @property
     def clip_bound(self) -> float:
-        """The clipping bound C of the next step (moves under quantile clipping)."""
-        return self.engine.max_grad_norm
+        """The clipping bound C the mechanism claims for the next step: ``max_grad_norm``, or C_t under quantile."""
+        return self._clip_bound.bound if self._clip_bound is not None else self.settings.max_grad_norm
 
     def _start_clip_bound(self) -> None:
         """Quantile mode: C_0 (or a resumed checkpoint's C_t), and σ_eff checked before any step."""
