@@ -299,3 +299,15 @@ def test_an_audit_of_quantile_clipping_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="cannot audit DPStrategy.clip_mode=quantile yet") as refused:
         CanaryDPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, clip_mode="quantile")
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_an_audit_of_user_level_dp_samples_its_canaries_as_users(tmp_path: Path) -> None:
+    """Each canary is one more user: sampled at the users' rate q = batch / users, a Dirac of norm C when included."""
+    users = ["--data.synthetic_train_size", "200", "--data.batch_size", "10", "--data.privacy_unit", "user",
+             "--data.max_rows_per_user", "4", "--trainer.max_epochs", "2", *epsilon(4.0)]  # fmt: skip
+    report = audit_main(full_batch_args(tmp_path, *users), lm=False)
+    ledger = json.loads(next(tmp_path.rglob("privacy_ledger.json")).read_text())
+    assert ledger["privacy_unit"] == "user" and ledger["users"] < 200
+    assert report["sample_rate"] == pytest.approx(10 / ledger["users"]) and report["mode"] == "white_box"
+    assert 0 <= report["epsilon_lower_bound"] <= report["claimed_epsilon"] and not report["violation"]
