@@ -16,20 +16,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from dplit.privacy.gradient_buffer import GradientBuffer
-from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
+from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.world import NoiseGenerator, ProcessGroup
+
+SHARDED_FLAG_OWNER = "ShardedDPStrategy"
+"""Where a sharded run's user sets these knobs: its refusals name ``ShardedDPStrategy.<field>``."""
 
 
 def check_sharded_settings(settings: DPSGDSettings) -> None:
     """Refuse, in one line, the settings a sharded DP step cannot honour yet."""
     if settings.clipping != "ghost":
         raise ValueError(
-            f"{FLAG_OWNER}.clipping={settings.clipping!r}: sharded weights are clipped by the ghost engine only "
+            f"{SHARDED_FLAG_OWNER}.clipping={settings.clipping!r}: sharded weights are clipped by the ghost engine only "
             "(clipping: ghost)"
         )
     if settings.self_check:
         raise ValueError(
-            f"{FLAG_OWNER}.self_check=true: the ghost self-check compares with autograd on whole weights, which a "
+            f"{SHARDED_FLAG_OWNER}.self_check=true: the ghost self-check compares with autograd on whole weights, which a "
             "sharded model has on no rank; set self_check: false (and check a new architecture with one "
             "single-device step of dplit.strategy.DPStrategy)"
         )
