@@ -2,11 +2,12 @@
 
 * ``fixed``: C is ``max_grad_norm`` (Abadi et al. 2016).
 * ``quantile`` (Andrew et al., NeurIPS 2021): C_t follows the target quantile γ of the per-example norms. Each
-  step counts the examples with ‖g_i‖ ≤ C_t, adds N(0, σ_b²) once, and moves C geometrically:
-  C_{t+1} = C_t · exp(−η (b̃_t − γ)) with b̃_t the noisy count over the expected batch. The count is a second
-  Gaussian query on the same batch (sensitivity ½ after centring); the gradient's noise multiplier is raised to
-  σ_eff = (σ⁻² − (2σ_b)⁻²)^(−½) so that the pair is exactly one Gaussian mechanism of multiplier σ, the one the
-  accountant counts (their Theorem 1): ε is that of σ, as for fixed clipping.
+  step releases the CENTRED count Σ_i (1[‖g_i‖ ≤ C_t] − ½) + N(0, σ_b²): adding or removing one example moves it by
+  ½ (an uncentred count would move by 1, and the formula below would then under-noise the gradient). The share
+  of unclipped examples is estimated with the public expected batch B: b̃_t = (centred count + B/2) / B, and C
+  moves geometrically: C_{t+1} = C_t · exp(−η (b̃_t − γ)). The gradient's noise multiplier is raised to
+  σ_eff = (σ⁻² − (2σ_b)⁻²)^(−½), so the pair (gradient of sensitivity C, count of sensitivity ½) is exactly one
+  Gaussian mechanism of multiplier σ, the one the accountant counts (their Theorem 1): ε is that of σ.
 * ``automatic`` (Bu et al., NeurIPS 2023, AUTO-S): every example's gradient is scaled by C / (‖g_i‖ + γ), so its
   norm is below C whatever its size: no bound to tune (``max_grad_norm`` only scales the update, like the lr).
 """
@@ -41,13 +42,13 @@ class QuantileClipBound:
         self.last_estimate: float | None = None
         """The last step's noisy share of unclipped examples (public: it is part of the released mechanism)."""
 
-    def unclipped(self, norms: Tensor) -> float:
-        """How many of ``norms`` (this rank's examples) are at most C_t (private, before its noise)."""
-        return float((norms <= self.bound).sum())
+    def centred_count(self, norms: Tensor) -> float:
+        """Σ (1[‖g‖ ≤ C_t] − ½) over ``norms`` (this rank's units): sensitivity ½ (private, before its noise)."""
+        return float((norms <= self.bound).sum()) - 0.5 * norms.numel()
 
-    def update(self, noisy_count: float, expected_batch: float) -> None:
-        """C ← C · exp(−η (noisy_count / expected_batch − γ))."""
-        self.last_estimate = noisy_count / expected_batch
+    def update(self, noisy_centred_count: float, expected_batch: float) -> None:
+        """C ← C · exp(−η (b̃ − γ)) with b̃ = (noisy centred count + B/2) / B, B the public expected batch."""
+        self.last_estimate = noisy_centred_count / expected_batch + 0.5
         self.bound *= math.exp(-self.learning_rate * (self.last_estimate - self.target_quantile))
 
     def gradient_noise_multiplier(self, noise_multiplier: float) -> float:

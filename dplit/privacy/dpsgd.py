@@ -113,7 +113,7 @@ class DPSGD:
         self._user_level: UserLevel | None = None
         self._clip_bound: QuantileClipBound | None = None
         self._restored_clip_bound: dict[str, Any] = {}
-        self._unclipped = 0.0  # this step's examples at most C_t on this rank (quantile mode; private until noised)
+        self._unclipped = 0.0  # this step's centred count Σ(1[‖g‖ ≤ C_t] − ½) on this rank (private until noised)
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
@@ -282,7 +282,7 @@ class DPSGD:
                 losses.append(stats.losses)
                 norms.append(stats.norms)
                 if self._clip_bound is not None:
-                    self._unclipped += self._clip_bound.unclipped(stats.norms)
+                    self._unclipped += self._clip_bound.centred_count(stats.norms)
             for _ in range(placeholders):  # sharded weights: every rank runs every forward pass, these add zero
                 self.engine.accumulate(_contributing_nothing(loss_fn), placeholder_example(batch))
         self._state_guard.check()  # before any noise or step: nothing written from private data is released
@@ -398,7 +398,7 @@ class DPSGD:
         self._unclipped = 0.0
 
     def _noisy_local_count(self) -> float:
-        """This rank's unclipped count, plus N(0, σ_b²) on rank 0 only (summed over ranks: noised once)."""
+        """This rank's centred count, plus N(0, σ_b²) on rank 0 only (summed over ranks: noised once)."""
         if self._clip_bound is None:
             return 0.0
         count = self._unclipped

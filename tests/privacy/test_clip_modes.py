@@ -73,13 +73,24 @@ def test_each_examples_contribution_is_at_most_the_bound_of_its_mode(
         assert float(torch.sqrt(sum(grad.pow(2).sum() for grad in grads.values()))) <= limit * (1 + 1e-6)
 
 
+def test_the_count_is_centred_so_one_example_moves_it_by_a_half() -> None:
+    """Σ (1[‖g‖ ≤ C] − ½): adding an example (clipped or not) moves it by ½, the sensitivity σ_eff assumes."""
+    tracker = QuantileClipBound(initial=1.0, target_quantile=0.5, learning_rate=0.2, count_noise_multiplier=1.0)
+    norms = torch.tensor([0.5, 2.0, 0.9, 3.0, 0.1])
+    base = tracker.centred_count(norms)
+    for extra in (0.2, 5.0):
+        assert abs(tracker.centred_count(torch.cat([norms, torch.tensor([extra])])) - base) == 0.5
+    tracker.update(base, expected_batch=5)  # 3 of 5 unclipped: the estimate is 0.6, so C shrinks
+    assert tracker.last_estimate == pytest.approx(0.6) and tracker.bound < 1.0
+
+
 def test_the_bound_converges_to_the_target_quantile_of_the_norms() -> None:
     """Log-normal norms, 64 examples a step, σ_b = 64/20: after 400 steps C sits at the median within ±15%."""
     generator = torch.Generator().manual_seed(0)
     tracker = QuantileClipBound(initial=0.01, target_quantile=0.5, learning_rate=0.2, count_noise_multiplier=3.2)
     for _ in range(400):
         norms = torch.exp(torch.randn(64, generator=generator, dtype=torch.float64))  # median 1
-        noisy = tracker.unclipped(norms) + float(torch.randn((), generator=generator)) * 3.2
+        noisy = tracker.centred_count(norms) + float(torch.randn((), generator=generator)) * 3.2
         tracker.update(noisy, 64)
     assert tracker.bound == pytest.approx(1.0, rel=0.15)
 
