@@ -32,7 +32,7 @@ from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
 from dplit.strategy_checks import check_module, check_trainer
 
-PUBLIC_UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
+PUBLIC_UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "clip_mode")
 """What TensorBoard's hyperparameters show of the privacy unit and the clipping mode (public counts and names)."""
 
 

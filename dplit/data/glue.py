@@ -22,7 +22,13 @@ from dplit.data.sources import HUB_DATASET, TextSplit, load_hub_split
 from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
 from dplit.data.tasks import TaskSpec, get_task
 from dplit.data.tokenizer import label_word_ids, load_tokenizer
-from dplit.data.users import check_user_settings, synthetic_users, user_indices, warn_dominant_user
+from dplit.data.users import (
+    check_user_settings,
+    private_diagnostics_off,
+    synthetic_users,
+    user_indices,
+    warn_dominant_user,
+)
 
 Split = Literal["train", "dev"]
 _HUB_SPLITS: dict[str, str] = {"train": "train", "dev": "validation"}
@@ -229,7 +235,7 @@ class GlueDataModule(LightningDataModule):
         if ids is None:  # the synthetic task: users of 1 to 8 consecutive rows
             ids = synthetic_users(len(texts), seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
         users = user_indices(ids)
-        warn_dominant_user(users, source=texts.source)
+        warn_dominant_user(users, source=texts.source, quiet=private_diagnostics_off(self))
         rank_zero_info(f"{self.task}: user-level DP over {max(users) + 1} users (at most "
                        f"{self.hparams.max_rows_per_user} rows of a user per step)")  # fmt: skip
         return users

@@ -27,7 +27,13 @@ from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.files import TextRows, check_data_file, read_rows, refusal
 from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
-from dplit.data.users import check_user_settings, synthetic_users, user_indices, warn_dominant_user
+from dplit.data.users import (
+    check_user_settings,
+    private_diagnostics_off,
+    synthetic_users,
+    user_indices,
+    warn_dominant_user,
+)
 
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
@@ -248,7 +254,7 @@ class TextDataModule(LightningDataModule):
             count = len(rows.texts or rows.responses or [])
             ids = synthetic_users(count, seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
         users = user_indices(ids)
-        warn_dominant_user(users, source=rows.source)
+        warn_dominant_user(users, source=rows.source, quiet=private_diagnostics_off(self))
         return users
 
     def _user_column(self, split: Split) -> str | None:

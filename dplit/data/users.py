@@ -34,19 +34,29 @@ def synthetic_users(rows: int, *, seed: int, most_rows: int) -> list[str]:
     return ids[:rows]
 
 
-def warn_dominant_user(users: Sequence[int], *, source: str) -> None:
-    """Warn (share only) when one user owns more than :data:`DOMINANT_SHARE` of the rows."""
+def warn_dominant_user(users: Sequence[int], *, source: str, quiet: bool = False) -> None:
+    """Warn when one user owns more than :data:`DOMINANT_SHARE` of the rows (its share unless ``quiet``).
+
+    ``quiet`` (``private_diagnostics=false``): the share, computed from private data without noise, is left out.
+    """
     if not users:
         return
     largest = Counter(users).most_common(1)[0][1]
     share = largest / len(users)
     if share > DOMINANT_SHARE:
+        owns = "most" if quiet else f"{share:.0%}"
         warnings.warn(
-            f"{source}: one user owns {share:.0%} of the training rows; user-level DP protects that user as one "
+            f"{source}: one user owns {owns} of the training rows; user-level DP protects that user as one "
             f"unit, at most data.max_rows_per_user of its rows per step, so most of its rows are rarely seen",
             UserWarning,
             stacklevel=2,
         )
+
+
+def private_diagnostics_off(datamodule: object) -> bool:
+    """Whether the trainer's DP strategy keeps values computed from private data out of logs and warnings."""
+    strategy = getattr(getattr(datamodule, "trainer", None), "strategy", None)
+    return not getattr(strategy, "private_diagnostics", True)
 
 
 def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per_user: int) -> None:

@@ -40,7 +40,7 @@ from dplit.privacy.clip_bound import QuantileClipBound
 from dplit.privacy.clipping import GhostEngine, build_engine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.self_check import check_ghost_norms
-from dplit.privacy.clipping.units import units_of
+from dplit.privacy.clipping.units import UNIT_KEY, units_of
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
@@ -271,6 +271,11 @@ class DPSGD:
             The logical batch's per-example losses and gradient norms (before clipping): private, unnoised.
         """
         buffer = self._started_buffer()
+        if self._user_level is not None and batch_size(batch) > 0 and units_of(batch) is None:
+            raise ValueError(
+                f"user-level DP: the training batch has no {UNIT_KEY!r} field, so its rows would be clipped one by "
+                "one (up to k·C per user) while ε counts users: the dataset's collate function must keep each row's user"
+            )
         losses, norms = [], []
         self._state_guard.arm()
         micro_batches = list(split_batch(batch, self.settings.max_physical_batch_size))  # a user's rows stay together

@@ -35,19 +35,13 @@ class UserLevel:
         """The number of users U (the N of the accounting)."""
         return len(self.user_rows)
 
-    @property
-    def largest_user_rows(self) -> int:
-        """The most rows any user owns (beyond k, a user's rows are not all seen in one step)."""
-        return max((len(rows) for rows in self.user_rows), default=0)
-
     def facts(self) -> dict[str, Any]:
-        """What the ledger and the card record about the unit (counts only: no user id)."""
+        """What the ledger and the card record about the unit: the unit, N and k (no user id, no per-user count)."""
         return {
             "privacy_unit": "user",
             "users": self.users,
             "max_rows_per_user": self.max_rows_per_user,
-            "largest_user_rows": self.largest_user_rows,
-        }
+        }  # not the largest user's row count: computed from the private data without noise, outside ε
 
 
 def user_level_of(dataset: object) -> UserLevel | None:

@@ -120,14 +120,13 @@ def privacy_unit_text(facts: dict[str, Any]) -> str:
         return PRIVACY_UNIT
     return (
         f"one user (all of that user's training rows; at most {facts.get('max_rows_per_user')} of them are used in "
-        f"any step, drawn at random, so rows beyond that are not all seen; the largest user owns "
-        f"{facts.get('largest_user_rows')} rows)"
+        f"any step, drawn at random, so a user's rows beyond that are not all seen in one step)"
     )
 
 
 def _user_counts(facts: dict[str, Any]) -> dict[str, Any]:
     """The user-level counts a card states (none for example-level DP)."""
-    keys = ("users", "max_rows_per_user", "largest_user_rows")
+    keys = ("users", "max_rows_per_user")
     return {key: facts.get(key) for key in keys} if facts.get("privacy_unit") == "user" else {}
 
 
@@ -278,7 +277,6 @@ _FACTS = (
     ("privacy_unit", "privacy unit"),
     ("users", "training users N"),
     ("max_rows_per_user", "rows of a user per step (at most)"),
-    ("largest_user_rows", "rows of the largest user"),
     ("clipping", "clipping engine"),
     ("clip_mode", "clipping bound"),
     ("target_quantile", "target quantile γ of the norms"),

@@ -96,6 +96,17 @@ def test_an_expected_batch_larger_than_the_users_is_refused() -> None:
         dpsgd_on(classifier(), user_dataset(), batch=7, micro=8)
 
 
+def test_a_user_level_batch_without_its_users_is_refused() -> None:
+    """A collate function that drops the users would clip rows one by one (k·C per user) while ε counts users."""
+    model, dataset = classifier(), user_dataset()
+    mechanism = dpsgd_on(model, dataset, batch=3, micro=3)
+    mechanism.start(planned_steps=1)
+    batch = PadCollator(pad_token_id=0)([dataset[i] for i in (0, 1, 2)])
+    del batch[UNIT_KEY]
+    with pytest.raises(ValueError, match="the training batch has no 'privacy_unit' field"):
+        mechanism.clip(model.per_example_loss, batch)
+
+
 def test_sampled_users_bring_at_most_k_rows() -> None:
     dpsgd = dpsgd_on(classifier(), user_dataset(max_rows=2), batch=3, micro=4)
     loader = dpsgd.sample(DataLoader(user_dataset(max_rows=2), batch_size=3, collate_fn=PadCollator(pad_token_id=0)))
