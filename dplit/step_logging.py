@@ -34,6 +34,6 @@ def log_spend(module: LightningModule, dpsgd: DPSGD) -> None:
     module.log("privacy/noise_multiplier", float(dpsgd.noise_multiplier or 0.0), on_step=True, batch_size=1)
     module.log("privacy/steps", float(dpsgd.steps), on_step=True, batch_size=1)
     module.log("dp/clip_bound", dpsgd.clip_bound, on_step=True, batch_size=1)  # C of the next step (public)
-    estimate = dpsgd.facts().get("clip_quantile_estimate")
+    estimate = dpsgd.clip_quantile_estimate
     if estimate is not None:  # the noisy share of unclipped examples that moved C (part of the mechanism)
         module.log("dp/clip_quantile_estimate", float(estimate), on_step=True, batch_size=1)

@@ -422,6 +422,11 @@ class DPSGD:
         return self._clip_bound.gradient_noise_multiplier(sigma) if self._clip_bound is not None else sigma
 
     @property
+    def clip_quantile_estimate(self) -> float | None:
+        """Quantile clipping: the last step's noisy share of unclipped units (``None`` in other modes)."""
+        return self._clip_bound.last_estimate if self._clip_bound is not None else None
+
+    @property
     def clip_bound(self) -> float:
         """The clipping bound C the mechanism claims for the next step: ``max_grad_norm``, or C_t under quantile."""
         return self._clip_bound.bound if self._clip_bound is not None else self.settings.max_grad_norm

@@ -77,6 +77,11 @@ def poisson_loader(
         rank=rank,
         seed=seed,
     )
+    return with_batch_sampler(dataloader, sampler)
+
+
+def with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> DataLoader:
+    """``dataloader`` drawing its batches from ``sampler`` (the same dataset, collate and workers)."""
     return DataLoader(
         dataloader.dataset,
         batch_sampler=sampler,

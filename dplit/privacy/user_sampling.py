@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dplit.privacy.sampling import derive_seed
+from dplit.privacy.sampling import derive_seed, with_batch_sampler
 
 
 @dataclass(frozen=True)
@@ -65,14 +65,7 @@ def user_poisson_loader(
         rank=rank,
         seed=seed,
     )
-    return DataLoader(
-        dataloader.dataset,
-        batch_sampler=sampler,
-        collate_fn=dataloader.collate_fn,
-        num_workers=dataloader.num_workers,
-        pin_memory=dataloader.pin_memory,
-        persistent_workers=dataloader.persistent_workers,
-    )
+    return with_batch_sampler(dataloader, sampler)
 
 
 def rows_of_users(users: Sequence[int]) -> list[list[int]]:

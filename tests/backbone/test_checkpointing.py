@@ -4,39 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
 
-from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.tasks.base import CausalLMModule
-from dplit.tasks.classifier import CausalLMClassifier
-from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
-from tests.helpers.families import FAMILIES, VOCAB, instruction_batch
+from tests.helpers.families import VOCAB, instruction_batch, tiny_task
 from tests.helpers.oracles import assert_close, padded_batch, run
-from tests.helpers.tiny import TINY_GPT2
 
-CONFIGS = {"gpt2": TINY_GPT2 | {"n_positions": 64}, "llama": FAMILIES["llama"]}
-LORA_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
 CLIP = 0.05
 """Small enough that every example is clipped."""
 
 
 def task(kind: str, family: str, policy: str, *, checkpointing: bool) -> CausalLMModule:
-    """A tiny float64 classifier or language model in training mode (seed 0: the same weights either way)."""
-    torch.manual_seed(0)
-    adapters = {"peft": LoraConfig(r=4, target_modules=LORA_TARGETS[family]), "train_embeddings": True}
-    common = {
-        "config": CONFIGS[family],
-        "vocab_size": VOCAB,
-        "embeddings": UntiedEmbeddings() if policy == "untied" else TiedEmbeddings(),
-        "gradient_checkpointing": checkpointing,
-        **(adapters if policy == "lora" else {}),
-    }
-    if kind == "classifier":
-        return CausalLMClassifier(label_word_ids=[3, 7], **common).double().train()
-    return CausalLanguageModel(**common).double().train()
+    """The tiny task, with or without recomputed blocks (seed 0: the same weights either way)."""
+    return tiny_task(kind, family, policy, gradient_checkpointing=checkpointing)
 
 
 def batch_for(kind: str) -> dict[str, torch.Tensor]:

@@ -6,11 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from peft import LoraConfig
 from torch import Tensor, nn
 
+from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.data.text import TextCollator, TextExample
 from dplit.privacy.clipping.engine import Batch
 from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.tasks.base import CausalLMModule
+from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.oracles import assert_close, check_against_oracles, run
 
@@ -65,3 +70,28 @@ def instruction_batch(side: str, seed: int = 0) -> dict[str, torch.Tensor]:
         examples.append(TextExample(input_ids=ids, loss_mask=[0] * prompt + [1] * (length - prompt)))
     examples[3]["input_ids"] = [5] * 14  # one example is a single token repeated (tied: many equal ids)
     return TextCollator(pad_token_id=0, padding_side=side)(examples)  # type: ignore[arg-type]
+
+
+TASK_CONFIGS = {"gpt2": {"n_layer": 2, "n_embd": 16, "n_head": 2, "n_positions": 64}, "llama": FAMILIES["llama"]}
+"""Tiny GPT-2 and Llama backbones for the task-level checks."""
+LORA_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
+
+
+def tiny_task(kind: str, family: str, policy: str, **settings: Any) -> CausalLMModule:
+    """A tiny float64 classifier or language model in training mode, seed 0.
+
+    ``policy``: ``"tied"``, ``"untied"`` or ``"lora"`` (rank-4 LoRA beside the trained tied embedding);
+    ``settings``: more task arguments (e.g. ``gradient_checkpointing=True``).
+    """
+    torch.manual_seed(0)
+    adapters = {"peft": LoraConfig(r=4, target_modules=LORA_TARGETS[family]), "train_embeddings": True}
+    common = {
+        "config": TASK_CONFIGS[family],
+        "vocab_size": VOCAB,
+        "embeddings": UntiedEmbeddings() if policy == "untied" else TiedEmbeddings(),
+        **(adapters if policy == "lora" else {}),
+        **settings,
+    }
+    if kind == "classifier":
+        return CausalLMClassifier(label_word_ids=[3, 7], **common).double().train()
+    return CausalLanguageModel(**common).double().train()

@@ -123,7 +123,7 @@ def test_the_count_and_the_gradient_get_their_share_of_one_gaussian_mechanism() 
     estimates, weights = [], []
     for _ in range(200):
         weights.append(empty_step(mechanism, model)["backbone.transformer.wte.weight"].flatten())
-        estimates.append(mechanism.facts()["clip_quantile_estimate"])
+        estimates.append(mechanism.clip_quantile_estimate)
     assert float(torch.stack(weights).std()) == pytest.approx(sigma_eff * 1.0 / 16, rel=0.03)
     assert float(torch.tensor(estimates).std()) == pytest.approx(0.6 / 16, rel=0.15)  # 200 draws: ±10% sampling
     reference = PRVAccountant()

@@ -21,6 +21,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def assert_every_rank_released(ranks: list[dict[str, Any]], key: str, reference: dict[str, torch.Tensor]) -> None:
+    """Every rank's released gradients under ``key`` equal ``reference``'s to 1e-10, parameter by parameter."""
+    for rank in ranks:
+        released = rank[key]
+        assert released.keys() == reference.keys()
+        for name, grad in released.items():
+            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of the two ranks computed (one spawn for every check of this module)."""
@@ -35,12 +44,7 @@ def test_the_sharded_update_is_the_one_process_update_of_the_union_batch(
     ranks: list[dict[str, Any]], family: str, policy: str
 ) -> None:
     """σ = 0, float64: each rank clipped its own examples (padding, variable lengths, micro-batches) on its shards."""
-    reference = ranks[0][f"{family}-{policy}-reference"]
-    for rank in ranks:
-        released = rank[f"{family}-{policy}"]
-        assert released.keys() == reference.keys()
-        for name, grad in released.items():
-            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+    assert_every_rank_released(ranks, f"{family}-{policy}", ranks[0][f"{family}-{policy}-reference"])
 
 
 @pytest.mark.slow
@@ -49,12 +53,7 @@ def test_the_sharded_update_is_the_brute_force_clipped_mean(
     ranks: list[dict[str, Any]], family: str, policy: str
 ) -> None:
     """One backward pass per example on whole weights, clipped to C and divided by B = qN: the same update."""
-    reference = ranks[0][f"{family}-{policy}-brute-force"]
-    for rank in ranks:
-        released = rank[f"{family}-{policy}"]
-        assert released.keys() == reference.keys()
-        for name, grad in released.items():
-            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+    assert_every_rank_released(ranks, f"{family}-{policy}", ranks[0][f"{family}-{policy}-brute-force"])
 
 
 @pytest.mark.slow
@@ -71,9 +70,7 @@ def test_a_rank_without_examples_runs_placeholders_that_add_nothing(
     ranks: list[dict[str, Any]], family: str, policy: str
 ) -> None:
     reference = ranks[0][f"{family}-{policy}-reference-rank0-only"]
-    for rank in ranks:
-        for name, grad in rank[f"{family}-{policy}-empty-rank"].items():
-            torch.testing.assert_close(grad, reference[name], rtol=0, atol=1e-10, msg=name)
+    assert_every_rank_released(ranks, f"{family}-{policy}-empty-rank", reference)
 
 
 @pytest.mark.slow

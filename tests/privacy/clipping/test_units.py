@@ -4,39 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig
 
-from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.units import UNIT_KEY, units_of
-from dplit.tasks.base import CausalLMModule
-from dplit.tasks.classifier import CausalLMClassifier
-from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients, per_unit_gradients
-from tests.helpers.families import FAMILIES, VOCAB, instruction_batch
+from tests.helpers.families import VOCAB, instruction_batch, tiny_task
 from tests.helpers.oracles import assert_close, padded_batch, run
-from tests.helpers.tiny import TINY_GPT2
 
-CONFIGS = {"gpt2": TINY_GPT2 | {"n_positions": 64}, "llama": FAMILIES["llama"]}
-LORA_TARGETS = {"gpt2": ["c_attn", "c_fc"], "llama": ["q_proj", "v_proj", "down_proj"]}
 USERS = torch.tensor([4, 9, 9, 2, 2, 2, 2, 2, 2, 2])
 """Ten rows of three users, of 1, 2 and 7 rows (numbered out of order, as any id may be)."""
 CLIP = 0.05
-
-
-def task(kind: str, family: str, policy: str) -> CausalLMModule:
-    """A tiny float64 classifier or language model (seed 0)."""
-    torch.manual_seed(0)
-    adapters = {"peft": LoraConfig(r=4, target_modules=LORA_TARGETS[family]), "train_embeddings": True}
-    common = {
-        "config": CONFIGS[family],
-        "vocab_size": VOCAB,
-        "embeddings": UntiedEmbeddings() if policy == "untied" else TiedEmbeddings(),
-        **(adapters if policy == "lora" else {}),
-    }
-    if kind == "classifier":
-        return CausalLMClassifier(label_word_ids=[3, 7], **common).double().train()
-    return CausalLanguageModel(**common).double().train()
 
 
 def rows(kind: str, users: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -60,7 +37,7 @@ def test_units_are_numbered_by_first_appearance_with_each_rows_place() -> None:
 @pytest.mark.parametrize("policy", ["tied", "untied", "lora"])
 def test_each_users_clipped_sum_is_a_loop_of_one_backward_per_user(kind: str, family: str, policy: str) -> None:
     """Users of 1, 2 and 7 rows: the Gram terms between a user's rows and the tied cross term included."""
-    model, batch = task(kind, family, policy), rows(kind, USERS)
+    model, batch = tiny_task(kind, family, policy), rows(kind, USERS)
     loss = model.per_example_loss
     users = per_unit_gradients(model, loss, {k: v for k, v in batch.items() if k != UNIT_KEY}, USERS)
     expected = clipped_sum(users, CLIP)
@@ -77,7 +54,7 @@ def test_each_users_clipped_sum_is_a_loop_of_one_backward_per_user(kind: str, fa
 @pytest.mark.parametrize("policy", ["tied", "untied"])
 def test_the_per_example_engine_clips_users_alike(policy: str) -> None:
     """The reference engine: each user's rows' vmapped gradients added, then clipped."""
-    model, batch = task("classifier", "gpt2", policy), rows("classifier", USERS)
+    model, batch = tiny_task("classifier", "gpt2", policy), rows("classifier", USERS)
     ghost_stats, ghost = run(build_engine("ghost", model, max_grad_norm=CLIP), model, model.per_example_loss, batch)
     stats, grads = run(build_engine("per_example", model, max_grad_norm=CLIP), model, model.per_example_loss, batch)
     assert_close(stats.norms, ghost_stats.norms)
@@ -87,7 +64,7 @@ def test_the_per_example_engine_clips_users_alike(policy: str) -> None:
 
 @pytest.mark.parametrize("policy", ["tied", "untied"])
 def test_users_of_one_row_each_are_example_level_dp(policy: str) -> None:
-    model = task("classifier", "llama", policy)
+    model = tiny_task("classifier", "llama", policy)
     batch = rows("classifier", torch.arange(10) * 3)
     examples = per_example_gradients(model, model.per_example_loss, {k: v for k, v in batch.items() if k != UNIT_KEY})
     engine = build_engine("ghost", model, max_grad_norm=CLIP)
@@ -101,7 +78,7 @@ def test_users_of_one_row_each_are_example_level_dp(policy: str) -> None:
 @pytest.mark.parametrize("scale", [1e3, 1.0])
 def test_each_users_contribution_is_at_most_c(scale: float) -> None:
     """Adversarial rows (embeddings scaled up): every user's clipped update, run alone, has norm ≤ C (1 + 1e-6)."""
-    model = task("classifier", "gpt2", "tied")
+    model = tiny_task("classifier", "gpt2", "tied")
     with torch.no_grad():
         model.backbone.get_input_embeddings().weight.mul_(scale)
     batch = rows("classifier", USERS)
