@@ -589,6 +589,7 @@ class DPSGD:
             "mechanism": self.settings.accountant,
             "noise": self.noise_source.describe(),
             "noise_secure": self.noise_source.secure,
+            **(self._user_level.facts() if self._user_level is not None else {"privacy_unit": "example"}),
         }
 
     # --- checks ----------------------------------------------------------------------------------------------------

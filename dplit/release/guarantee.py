@@ -52,6 +52,8 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         reason = history.reason_not_private() or NEVER_PRIVATE
         return {"differentially_private": False, "reason": reason, **record, **facts}
     last = ledger or segments[-1]
+    # a user is protected only if every DP segment protected users: one example-level segment protects rows only
+    unit = last if all(segment.get("privacy_unit") == "user" for segment in segments) else {}
     delta = last["accountant"]["delta"] if ledger else last["delta"]
     mechanism = last["accountant"]["mechanism"] if ledger else last["mechanism"]
     accountant = PrivacyAccountant(delta=delta, mechanism=mechanism)
@@ -78,8 +80,8 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
         "segments": len(segments),
         "accountant_history": [list(entry) for entry in history.accountant_history()],
         "dataset_size": last.get("dataset_size"),
-        "privacy_unit": privacy_unit_text(last),
-        **_user_counts(last),
+        "privacy_unit": privacy_unit_text(unit),
+        **_user_counts(unit),
         "clipping": last.get("clipping"),
         "clip_mode": last.get("clip_mode", "fixed"),
         **{key: last[key] for key in CLIP_MODE_FACTS if last.get(key) is not None},

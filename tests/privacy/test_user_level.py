@@ -16,11 +16,11 @@ from dplit.data.batches import PadCollator, TokenizedDataset
 from dplit.privacy.accounting import default_delta
 from dplit.privacy.clipping.units import UNIT_KEY, units_of
 from dplit.privacy.dpsgd import DPSGD, split_batch
-from dplit.privacy.history import PrivacyHistory
+from dplit.privacy.history import HISTORY_KEY, PrivacyHistory
 from dplit.privacy.ledger import LEDGER_FILE, history_steps
 from dplit.privacy.settings import DPSGDSettings
 from dplit.release.export import export_checkpoint
-from dplit.release.guarantee import GUARANTEE_FILE
+from dplit.release.guarantee import GUARANTEE_FILE, PRIVACY_UNIT, guarantee_of
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import clipped_sum, per_unit_gradients
 from tests.helpers.commands import checkpoint_of, quickstart_args, steps
@@ -73,6 +73,31 @@ def test_n_and_q_count_users_and_each_users_rows_are_clipped_together() -> None:
     expected = clipped_sum(users, CLIP)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.grad, expected[name] / 3, rtol=0, atol=1e-12, msg=name)
+
+
+def one_step(model: CausalLMClassifier, dataset: TokenizedDataset, history: PrivacyHistory) -> None:
+    """One noisy DP step on the whole of ``dataset`` (example- or user-level, as the dataset says)."""
+    settings = DPSGDSettings(max_grad_norm=CLIP, noise_multiplier=1.0, target_delta=1e-3, self_check=False)
+    mechanism = DPSGD(model, settings, history=history)
+    mechanism.sample(DataLoader(dataset, batch_size=3, collate_fn=PadCollator(pad_token_id=0)))
+    mechanism.start(planned_steps=1)
+    mechanism.clip(model.per_example_loss, PadCollator(pad_token_id=0)([dataset[i] for i in range(len(dataset))]))
+    mechanism.release()
+    model.zero_grad(set_to_none=True)
+
+
+def test_the_card_says_per_user_only_when_every_segment_protected_users() -> None:
+    """A refit at user level on weights an example-level run trained protects rows only: the card says so."""
+    model, users = classifier(), user_dataset()
+    rows = TokenizedDataset(users.input_ids, users.labels)  # the same rows, each its own unit
+    mixed, user_only = PrivacyHistory(), PrivacyHistory()
+    one_step(model, rows, mixed)
+    one_step(model, users, mixed)
+    one_step(model, users, user_only)
+    assert guarantee_of({HISTORY_KEY: mixed.state_dict()})["privacy_unit"] == PRIVACY_UNIT
+    assert "users" not in guarantee_of({HISTORY_KEY: mixed.state_dict()})
+    per_user = guarantee_of({HISTORY_KEY: user_only.state_dict()})
+    assert per_user["privacy_unit"].startswith("one user") and per_user["users"] == 6
 
 
 def test_micro_batches_hold_whole_users() -> None:
