@@ -100,20 +100,43 @@ def audit_bound(scores: Tensor, included: Tensor, *, delta: float, confidence: f
         confidence: e.g. 0.95; every (k₊, k₋) pair of the grid is tested at 1 − (1 − confidence) / pairs, so the
             best of them holds at ``confidence``.
     """
+    outcomes = guess_outcomes(scores, included)
+    adjusted = 1 - (1 - confidence) / len(outcomes)
+    best = AuditBound(epsilon=0.0, k_plus=0, k_minus=0, correct=0, choices=len(outcomes))
+    for plus, minus, correct in outcomes:
+        epsilon = epsilon_lower_bound(
+            canaries=scores.shape[0], guesses=plus + minus, correct=correct, delta=delta, confidence=adjusted
+        )
+        if epsilon > best.epsilon:
+            best = AuditBound(epsilon=epsilon, k_plus=plus, k_minus=minus, correct=correct, choices=len(outcomes))
+    return best
+
+
+def guess_outcomes(scores: Tensor, included: Tensor, counts: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """(k₊, k₋, right guesses) for every pair of ``counts`` with 0 < k₊ + k₋ ≤ m.
+
+    "In" on the k₊ highest scores, "out" on the k₋ lowest (ties broken by canary order).
+
+    Args:
+        scores: each canary's score [m] (higher = more likely in).
+        included: whether each canary was in the run [m] (bool).
+        counts: the candidate k₊ and k₋ (default :func:`guess_counts`).
+    """
     count = scores.shape[0]
     order = torch.argsort(scores.double(), descending=True, stable=True)  # [m], highest score first
     ranked_in = included[order].long()  # [m]
     in_prefix = torch.cat([torch.zeros(1, dtype=torch.long), ranked_in.cumsum(0)])  # [m + 1]: "in"s in the top k
     out_suffix = torch.cat([torch.zeros(1, dtype=torch.long), (1 - ranked_in).flip(0).cumsum(0)])  # bottom k
-    counts = guess_counts(count)
-    pairs = [(plus, minus) for plus in counts for minus in counts if 0 < plus + minus <= count]
-    adjusted = 1 - (1 - confidence) / len(pairs)
-    best = AuditBound(epsilon=0.0, k_plus=0, k_minus=0, correct=0, choices=len(pairs))
-    for plus, minus in pairs:
-        correct = int(in_prefix[plus]) + int(out_suffix[minus])
-        epsilon = epsilon_lower_bound(
-            canaries=count, guesses=plus + minus, correct=correct, delta=delta, confidence=adjusted
-        )
-        if epsilon > best.epsilon:
-            best = AuditBound(epsilon=epsilon, k_plus=plus, k_minus=minus, correct=correct, choices=len(pairs))
-    return best
+    counts = guess_counts(count) if counts is None else counts
+    return [
+        (plus, minus, int(in_prefix[plus]) + int(out_suffix[minus]))
+        for plus in counts for minus in counts if 0 < plus + minus <= count
+    ]  # fmt: skip
+
+
+def correct_guesses(scores: Tensor, included: Tensor, *, k_plus: int, k_minus: int) -> int:
+    """Right guesses among "in" on the ``k_plus`` highest scores and "out" on the ``k_minus`` lowest (k₊ + k₋ ≤ m)."""
+    if k_plus + k_minus > scores.shape[0]:
+        raise ValueError(f"{k_plus} + {k_minus} guesses exceed the {scores.shape[0]} canaries")
+    ranked_in = included[torch.argsort(scores.double(), descending=True, stable=True)]  # [m], highest score first
+    return int(ranked_in[:k_plus].sum()) + int((~ranked_in.flip(0)[:k_minus]).sum())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,12 +20,35 @@ def _membership(count: int, generator: torch.Generator) -> Tensor:
     return torch.rand(count, generator=generator, dtype=torch.float64) < 0.5
 
 
+def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_rate: float) -> Tensor:
+    """One step's log-likelihood ratio "in" : "out" of each canary, from its released coordinate in units of C.
+
+    An included canary adds 1 with probability q, and the noise adds N(0, σ²): the step's likelihood ratio is
+    1 − q + q·exp((2x − 1) / (2σ²)). Steps are independent given membership, so the sum of these logs over the steps
+    is the Neyman-Pearson optimal statistic for a Dirac canary (for q = 1 it is affine in Σx, the running sum the
+    (ε, δ) audit used). Without noise any ordering is optimal: the score is x.
+
+    Args:
+        observed: the released noisy sum at each canary's coordinate, divided by the step's C [m] (float64).
+        noise_multiplier: σ of the step (0: no noise).
+        sample_rate: q, the chance an included canary is in the step's batch.
+    """
+    if noise_multiplier <= 0:
+        return observed
+    shift = (2 * observed - 1) / (2 * noise_multiplier**2)  # [m]
+    if sample_rate >= 1:
+        return shift
+    return torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))
+
+
 class GradientCanaries:
     """White-box canaries: m Dirac directions of norm C in the trainable parameters, one coordinate each.
 
     An included canary takes part in DP-SGD exactly as one more example whose clipped gradient is that direction:
-    Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor scores a
-    canary by the sum over steps of the released noisy sum at its coordinate.
+    Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor reads the
+    released noisy sum at every canary's coordinate on every step (all iterates), in units of C: the score is the
+    sum of the steps' log-likelihood ratios (:func:`white_box_step_score`), and the sums of the readings and of
+    their squares feed the audit's checks of the mechanism's scale (:mod:`dplit.audit.calibration`).
 
     Args:
         coordinates: the flat gradient index of each canary [m] (distinct).
@@ -37,6 +61,9 @@ class GradientCanaries:
         self.included = included
         self.norm = norm
         self.scores = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.reading_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.reading_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.steps = 0
         self.sampled_last_step = 0
 
     @classmethod
@@ -55,9 +82,20 @@ class GradientCanaries:
         self.sampled_last_step = int(sampled.numel())
         return self.sampled_last_step
 
-    def observe(self, released: Tensor, *, scale: float) -> None:
-        """Add the released noisy sum (``released`` × ``scale``) at each canary's coordinate to its score."""
-        self.scores += released[self.coordinates.to(released.device)].double().cpu() * scale
+    def observe(self, released: Tensor, *, clip_bound: float, noise_multiplier: float, sample_rate: float) -> None:
+        """Read the released noisy sum at each canary's coordinate, in units of the step's C, and score it.
+
+        Args:
+            released: the step's noisy sum over every trainable coordinate (flat).
+            clip_bound: the step's C (each canary's contribution when sampled).
+            noise_multiplier: the step's σ (the noise's std in units of C).
+            sample_rate: q.
+        """
+        reading = released[self.coordinates.to(released.device)].double().cpu() / clip_bound  # [m]
+        self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        self.reading_sums += reading
+        self.reading_squares += reading**2
+        self.steps += 1
 
 
 class InputCanaries:

@@ -16,7 +16,10 @@ from torch.utils.data import ConcatDataset, DataLoader
 from typing_extensions import override
 
 from dplit.audit.bound import AuditBound, audit_bound
+from dplit.audit.calibration import ScaleCheck, scale_checks
 from dplit.audit.canaries import InputCanaries
+from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound
+from dplit.audit.simulation import GuessPlan, plan_guesses
 from dplit.audit.strategy import CanaryDPStrategy
 from dplit.cli.config_checks import check_gguf_files, check_privacy_choice, strategy_class
 from dplit.cli.lightning_cli import DPLitArgumentParser, DPLitCLI, DPLitLMCLI
@@ -30,10 +33,19 @@ from dplit.tasks.language_model import CausalLanguageModel
 
 AUDIT_FILE = "audit.json"
 MODES = ("white_box", "black_box")
+ANALYSES = ("fdp", "eps_delta")
 CANARY_LENGTH = 32
 """Tokens in a black-box canary (fewer when ``data.max_length`` is smaller)."""
-BOUND = "Steinke, Nasr & Jagielski 2023 (arXiv 2305.08846), (ε, δ) theorem, exact binomial tails"
-SELECTION = "best (k₊, k₋) of a grid fixed in advance (0, 1, 2, 5, 10, 20, 50% of m), Bonferroni-adjusted"
+BOUNDS = {
+    "fdp": "Mahloujifar, Melis & Chaudhuri 2025 (arXiv 2410.22235), f-DP with the Gaussian curve G_μ; ε̂ is ε of "
+    "μ̂-GDP at δ",
+    "eps_delta": "Steinke, Nasr & Jagielski 2023 (arXiv 2305.08846), (ε, δ) theorem, exact binomial tails",
+}
+SELECTIONS = {
+    "fdp": "one (k₊, k₋) fixed before any score is seen: the best median μ̂ on simulated correct runs of the claimed "
+    "σ, q, steps (no Bonferroni needed)",
+    "eps_delta": "best (k₊, k₋) of a grid fixed in advance (0, 1, 2, 5, 10, 20, 50% of m), Bonferroni-adjusted",
+}
 
 
 class AuditSettings:
@@ -43,22 +55,29 @@ class AuditSettings:
         canaries: m, the number of canaries (each in the run with probability 1/2).
         mode: ``"white_box"`` (gradient canaries, scored on every step's noisy sum) or ``"black_box"``
             (random-token training examples, scored by minus their loss under the final model).
+        analysis: ``"fdp"`` (the one-run f-DP analysis of Mahloujifar et al. 2025 with the Gaussian trade-off curve:
+            μ̂, and ε̂ at the run's δ) or ``"eps_delta"`` (the (ε, δ) analysis of Steinke et al. 2023). Both are
+            computed and reported; this one decides the verdict.
         confidence: the confidence of the lower bound ε̂, in (0, 1).
         seed: seeds the canaries and which are included (the auditor's own randomness); drawn and recorded if
             unset.
     """
 
     def __init__(
-        self, canaries: int = 1000, mode: str = "white_box", confidence: float = 0.95, seed: int | None = None
-    ) -> None:
+        self, canaries: int = 1000, mode: str = "white_box", analysis: str = "fdp", confidence: float = 0.95,
+        seed: int | None = None,
+    ) -> None:  # fmt: skip
         if not isinstance(canaries, int) or canaries < 2:
             raise ValueError(f"audit.canaries must be an integer ≥ 2, got {canaries!r}")
         if mode not in MODES:
             raise ValueError(f"audit.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if analysis not in ANALYSES:
+            raise ValueError(f"audit.analysis must be one of {', '.join(ANALYSES)}, got {analysis!r}")
         if not is_finite_number(confidence, above=0, below=1):
             raise ValueError(f"audit.confidence must be in (0, 1), got {confidence!r}")
         self.canaries = canaries
         self.mode = mode
+        self.analysis = analysis
         self.confidence = float(confidence)
         self.seed = seed if seed is not None else secrets.randbits(31)
 
@@ -114,34 +133,59 @@ COMMANDS: dict[bool, tuple[type[DPLitCLI], type[LightningModule], type[Any]]] = 
 def audit_main(argv: list[str], *, lm: bool) -> dict[str, Any]:
     """Run ``dplit audit`` (``lm``: ``dplit lm audit``) on ``argv``; print the verdict; return the report.
 
-    Exits with status 3 after a loud warning when ε̂ exceeds the claimed ε: evidence of a bug.
+    Exits with status 3 after a loud warning when ε̂ exceeds the claimed ε or a white-box check of the mechanism's
+    scale fails: evidence of a bug.
     """
     cli_class, module_class, data_class = COMMANDS[lm]
     cli = cli_class(module_class, data_class, parser_class=DPLitArgumentParser, args=argv, run=False)
     assert isinstance(cli, AuditArguments)
     report = run_audit(cli.trainer, cli.model, cli.datamodule, cli.audit_settings, lm=lm)
-    rank_zero_info(verdict(report))
-    if report["violation"]:
-        rank_zero_warn(VIOLATION.format(**report, percent=100 * report["confidence"]), category=PrivacyWarning)
+    for line in verdict(report):
+        rank_zero_info(line)
+    reasons = failures(report)
+    if reasons:
+        rank_zero_warn(FAILED.format(reasons="; ".join(reasons)), category=PrivacyWarning)
         raise SystemExit(3)
     return report
 
 
-VIOLATION = (
-    "PRIVACY AUDIT FAILED: the measured lower bound ε ≥ {epsilon_lower_bound:.3f} exceeds the claimed ε = "
-    "{claimed_epsilon:.3f} at {percent:g}% confidence. This is evidence of a bug in the DP mechanism (noise, "
-    "sampling, clipping or accounting): do not trust this configuration's guarantee"
+FAILED = (
+    "PRIVACY AUDIT FAILED: {reasons}. This is evidence of a bug in the DP mechanism (noise, sampling, clipping, "
+    "normalisation or accounting): do not trust this configuration's guarantee"
 )
 
 
-def verdict(report: dict[str, Any]) -> str:
-    """The audit's one line: ``empirical ε ≥ X at 95% confidence (claimed ε = Y)``."""
+def failures(report: dict[str, Any]) -> list[str]:
+    """Why the audit fails: ε̂ above the claim, and every white-box scale check that failed (none: it passes)."""
+    reasons = (
+        [
+            f"the measured lower bound ε ≥ {report['epsilon_lower_bound']:.3f} exceeds the claimed ε = "
+            f"{report['claimed_epsilon']:.3f} at {100 * report['confidence']:g}% confidence"
+        ]
+        if report["violation"]
+        else []
+    )
+    failed = [check["line"] for check in report["checks"] if not check["passed"]]
+    if failed:
+        reasons.append("the released sums do not scale as the claimed mechanism's do (" + "; ".join(failed) + ")")
+    return reasons
+
+
+def verdict(report: dict[str, Any]) -> list[str]:
+    """The audit's lines: ``empirical ε ≥ X (μ ≥ M) at 95% confidence; a correct run shows ≈ E, at most U …``."""
     claimed = report["claimed_epsilon"]
     shown = "∞ (no noise)" if claimed is None else f"{claimed:.3f}"
-    return (
+    fdp, plan = report["fdp"], report["plan"]
+    lines = [
         f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at {100 * report['confidence']:g}% confidence "
-        f"(claimed ε = {shown}; {report['mode']}, m = {report['canaries']}, {report['steps']} steps)"
-    )
+        f"({report['analysis']}; claimed ε = {shown}; {report['mode']}, m = {report['canaries']}, "
+        f"{report['steps']} steps)",
+        f"f-DP: μ ≥ {fdp['mu']:.3f} (ε ≥ {fdp['epsilon']:.3f} at δ = {report['delta']:.3g}); a correct run is expected "
+        f"to show μ ≈ {plan['expected_mu']:.3f} (ε ≈ {plan['expected_epsilon']:.3f}); these guesses could show at "
+        f"most μ = {plan['ceiling_mu']:.3f} (ε = {plan['ceiling_epsilon']:.3f}); (ε, δ) analysis: "
+        f"ε ≥ {report['eps_delta']['epsilon']:.3f}",
+    ]
+    return lines + [check["line"] for check in report["checks"]]
 
 
 def run_audit(
@@ -152,10 +196,16 @@ def run_audit(
     if not isinstance(strategy, DPStrategy):
         raise TypeError("dplit audit audits DP-SGD: set trainer.strategy to dplit.strategy.DPStrategy")
     trainer.callbacks.append(PowerCheck(settings))
+    checks: list[ScaleCheck] = []
     if settings.mode == "white_box":
         assert isinstance(strategy, CanaryDPStrategy)
         trainer.fit(model, datamodule=data)
-        scores, included = strategy.canaries.scores, strategy.canaries.included
+        canaries = strategy.canaries
+        scores, included = canaries.scores, canaries.included
+        checks = scale_checks(
+            canaries.reading_sums, canaries.reading_squares, included, steps=canaries.steps,
+            sample_rate=float(strategy.dpsgd.sample_rate or 1.0), noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
+        )  # fmt: skip
     else:
         canaries = _input_canaries(data, settings, lm=lm)
         trainer.fit(model, train_dataloaders=_with_canaries(data, canaries), val_dataloaders=data.val_dataloader())
@@ -166,14 +216,31 @@ def run_audit(
         included = canaries.included
     accountant = strategy.accountant
     assert accountant is not None
-    bound = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
-    report = _report(strategy, settings, bound, included=int(included.sum()))
+    plan = _plan(strategy, settings)
+    fdp = gdp_bound(scores, included, k_plus=plan.k_plus, k_minus=plan.k_minus, delta=accountant.delta,
+                    confidence=settings.confidence)  # fmt: skip
+    eps_delta = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
+    report = _report(strategy, settings, fdp=fdp, eps_delta=eps_delta, plan=plan, checks=checks,
+                     included=int(included.sum()))  # fmt: skip
     _record(trainer, report)
     return report
 
 
+def _plan(strategy: DPStrategy, settings: AuditSettings) -> GuessPlan:
+    """The f-DP guesses, chosen on correct runs of the claimed mechanism simulated before any score is read."""
+    accountant = strategy.accountant
+    assert accountant is not None
+    return plan_guesses(
+        canaries=settings.canaries, noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
+        sample_rate=float(strategy.dpsgd.sample_rate or 1.0), steps=accountant.steps, delta=accountant.delta,
+        confidence=settings.confidence, seed=settings.seed,
+    )  # fmt: skip
+
+
 class PowerCheck(Callback):
     """Warns before the first step (δ is known once DPStrategy has started) when 2·m·δ ≥ 1 − confidence.
+
+    Only the (ε, δ) analysis has that δ term (the f-DP analysis uses δ only to read μ̂ as ε̂).
 
     Then no outcome could refute any ε. Lightning calls callbacks' ``on_train_start`` before the strategy's, so the
     check runs at the first epoch's start.
@@ -189,7 +256,7 @@ class PowerCheck(Callback):
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         accountant = getattr(trainer.strategy, "accountant", None)
-        if self._checked or accountant is None:
+        if self._checked or accountant is None or self._settings.analysis != "eps_delta":
             return
         self._checked = True
         term = 2 * self._settings.canaries * accountant.delta
@@ -221,25 +288,33 @@ def _with_canaries(data: Any, canaries: InputCanaries) -> DataLoader:
     return DataLoader(rows, batch_size=data.batch_size, shuffle=True, collate_fn=data.collate_fn)
 
 
-def _report(strategy: DPStrategy, settings: AuditSettings, bound: AuditBound, *, included: int) -> dict[str, Any]:
+def _report(
+    strategy: DPStrategy, settings: AuditSettings, *, fdp: GdpBound, eps_delta: AuditBound, plan: GuessPlan,
+    checks: list[ScaleCheck], included: int,
+) -> dict[str, Any]:  # fmt: skip
     accountant = strategy.accountant
     assert accountant is not None
     claimed = accountant.epsilon()
+    headline = fdp.epsilon if settings.analysis == "fdp" else eps_delta.epsilon
+    sample_rate = float(strategy.dpsgd.sample_rate or 1.0)
+    sigma = strategy.dpsgd.gradient_noise_multiplier
+    claimed_mu = dpsgd_mu(noise_multiplier=sigma, sample_rate=sample_rate, steps=accountant.steps)
     return {
-        "epsilon_lower_bound": bound.epsilon,
+        "epsilon_lower_bound": headline,
+        "analysis": settings.analysis,
         "claimed_epsilon": claimed if math.isfinite(claimed) else None,
         "delta": accountant.delta,
         "confidence": settings.confidence,
-        "violation": bound.epsilon > claimed,
+        "violation": headline > claimed,
         "mode": settings.mode,
         "canaries": settings.canaries,
         "canaries_included": included,
-        "k_plus": bound.k_plus,
-        "k_minus": bound.k_minus,
-        "correct_guesses": bound.correct,
-        "guess_choices": bound.choices,
-        "selection": SELECTION,
-        "bound": BOUND,
+        "fdp": {**vars(fdp), "bound": BOUNDS["fdp"], "selection": SELECTIONS["fdp"]},
+        "eps_delta": {**vars(eps_delta), "bound": BOUNDS["eps_delta"], "selection": SELECTIONS["eps_delta"]},
+        "plan": vars(plan),
+        "claimed_mu": claimed_mu if math.isfinite(claimed_mu) else None,
+        "claimed_mu_is": "exact (√T/σ)" if sample_rate >= 1 else "CLT approximation q·√(T(e^{1/σ²} − 1))",
+        "checks": [{**vars(check), "line": check.line()} for check in checks],
         "steps": accountant.steps,
         "noise_multiplier": strategy.noise_multiplier,
         "max_grad_norm": strategy.max_grad_norm,
@@ -257,5 +332,7 @@ def _record(trainer: Trainer, report: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / AUDIT_FILE).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     for logger in trainer.loggers:
-        logger.log_metrics({"audit/epsilon_lower_bound": report["epsilon_lower_bound"]}, step=trainer.global_step)
+        metrics = {"audit/epsilon_lower_bound": report["epsilon_lower_bound"], "audit/mu_lower_bound": report["fdp"]["mu"],
+                   "audit/expected_epsilon": report["plan"]["expected_epsilon"]}  # fmt: skip
+        logger.log_metrics(metrics, step=trainer.global_step)
         logger.finalize("success")

@@ -74,5 +74,9 @@ class CanaryDPStrategy(DPStrategy):
         self.canaries.add_sampled(clipped_sum, sample_rate=dpsgd.sample_rate, generator=generator)
 
     def _score_canaries(self, dpsgd: DPSGD, noisy_sum: Tensor) -> None:
-        """Score every canary on the released noisy sum (before the division by qN)."""
-        self.canaries.observe(noisy_sum, scale=1.0)
+        """Score every canary on the released noisy sum (before the division by qN), in units of the step's C."""
+        assert dpsgd.sample_rate is not None
+        self.canaries.observe(
+            noisy_sum, clip_bound=dpsgd.clip_bound, noise_multiplier=dpsgd.gradient_noise_multiplier,
+            sample_rate=dpsgd.sample_rate,
+        )  # fmt: skip

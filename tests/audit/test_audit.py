@@ -134,8 +134,10 @@ def test_gradient_canaries_are_distinct_coordinates_added_with_norm_c_when_sampl
     sampled = canaries.add_sampled(total, sample_rate=1.0, generator=torch.Generator().manual_seed(2))
     assert sampled == int(canaries.included.sum()) and total.sum() == pytest.approx(0.5 * sampled)
     assert torch.equal(total[canaries.coordinates] > 0, canaries.included)
-    canaries.observe(total, scale=2.0)
-    assert torch.equal(canaries.scores, canaries.included.double())
+    canaries.observe(total, clip_bound=0.5, noise_multiplier=0.0, sample_rate=1.0)  # readings in units of C
+    assert torch.equal(canaries.scores, canaries.included.double()) and canaries.steps == 1
+    assert torch.equal(canaries.reading_sums, canaries.included.double())
+    assert torch.equal(canaries.reading_squares, canaries.included.double())
     none = canaries.add_sampled(torch.zeros(60), sample_rate=0.0, generator=torch.Generator().manual_seed(3))
     assert none == 0
     with pytest.raises(ValueError, match="audit.canaries=61 exceeds the 60 trainable coordinates"):
@@ -169,6 +171,10 @@ def test_correct_dp_is_not_refuted(claimed: float, tmp_path: Path) -> None:
     assert report["claimed_epsilon"] == pytest.approx(claimed, rel=0.01) and report["steps"] == 20
     assert 0 < report["epsilon_lower_bound"] <= report["claimed_epsilon"] and not report["violation"]
     assert report["sample_rate"] == 1.0 and report["mode"] == "white_box" and report["canaries"] == 1000
+    assert report["eps_delta"]["epsilon"] <= report["fdp"]["epsilon"] == report["epsilon_lower_bound"]
+    assert report["fdp"]["mu"] <= report["claimed_mu"] and report["claimed_mu_is"] == "exact (√T/σ)"
+    assert 0 < report["plan"]["expected_epsilon"] < report["plan"]["ceiling_epsilon"]
+    assert [check["passed"] for check in report["checks"]] == [True, True]
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent)).Reload()
     [logged] = events.Scalars("audit/epsilon_lower_bound")
     assert logged.value == pytest.approx(report["epsilon_lower_bound"])
@@ -200,21 +206,34 @@ def test_a_canary_whose_clipping_is_skipped_is_caught(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_half_the_noise_is_caught_with_a_hundred_thousand_canaries(tmp_path: Path) -> None:
-    honest = audit_main(full_batch_args(tmp_path / "honest", "--audit.canaries", "100000", *epsilon(1.0)), lm=False)
+def test_half_the_noise_is_caught_by_the_fdp_bound_with_ten_thousand_canaries(tmp_path: Path) -> None:
+    honest = audit_main(full_batch_args(tmp_path / "honest", "--audit.canaries", "10000", *epsilon(1.0)), lm=False)
     with pytest.raises(SystemExit), pytest.warns(PrivacyWarning, match="PRIVACY AUDIT FAILED"):
         audit_main(
-            full_batch_args(tmp_path / "half", "--audit.canaries", "100000", *broken("HalfNoise"), *epsilon(1.0)),
+            full_batch_args(tmp_path / "half", "--audit.canaries", "10000", *broken("HalfNoise"), *epsilon(1.0)),
             lm=False,
         )
     half = read_report(tmp_path / "half")
-    assert honest["epsilon_lower_bound"] < half["claimed_epsilon"] < half["epsilon_lower_bound"]
+    assert honest["epsilon_lower_bound"] < half["claimed_epsilon"] < half["epsilon_lower_bound"] and half["violation"]
+    assert half["analysis"] == "fdp" and half["fdp"]["epsilon"] == half["epsilon_lower_bound"]
+    assert [check["passed"] for check in half["checks"]] == [True, False]  # the signal is right, the noise is half
+    assert [check["passed"] for check in honest["checks"]] == [True, True]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:PRIVACY AUDIT FAILED")
+def test_dividing_by_the_realised_batch_size_fails_the_signal_check(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        audit_main(full_batch_args(tmp_path, *broken("RealisedBatchDivisor"), *epsilon(4.0)), lm=False)
+    report = read_report(tmp_path)
+    [signal, _] = report["checks"]
+    assert stop.value.code == 3 and not report["violation"] and not signal["passed"] and signal["high"] < 0.5
 
 
 def test_a_delta_too_large_for_any_bound_is_warned_about(tmp_path: Path) -> None:
     args = full_batch_args(tmp_path, "--trainer.strategy.init_args.target_delta", "null", "--trainer.max_epochs", "1")
     with pytest.warns(UserWarning, match=r"2·m·δ = .* so the bound will be 0"):  # δ = 64^-1.1, 2·m·δ ≈ 2.1
-        report = audit_main([*args, "--audit.canaries", "100"], lm=False)
+        report = audit_main([*args, "--audit.canaries", "100", "--audit.analysis", "eps_delta"], lm=False)
     assert report["epsilon_lower_bound"] == 0.0 and report["delta"] == pytest.approx(64**-1.1)
 
 
@@ -247,7 +266,8 @@ def test_the_executable_prints_the_verdict_and_fails_loudly_on_a_violation(tmp_p
     )  # fmt: skip
     report = read_report(tmp_path / "honest")
     assert honest.returncode == 0, honest.stderr
-    line = f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at 95% confidence (claimed ε = {report['claimed_epsilon']:.3f};"
+    line = (f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at 95% confidence (fdp; claimed ε = "
+            f"{report['claimed_epsilon']:.3f};")  # fmt: skip
     assert line in honest.stdout + honest.stderr
     bug = subprocess.run(
         [dplit_executable(), "audit", *full_batch_args(tmp_path / "bug", *broken("UnclippedCanaries"), *epsilon(1.0))],

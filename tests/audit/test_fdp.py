@@ -1,0 +1,168 @@
+"""The one-run f-DP bound (μ̂ of Gaussian DP, read as ε̂ at δ), its guess plan, and its soundness by simulation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from dp_accounting.pld import privacy_loss_distribution
+from scipy import integrate, stats
+
+from dplit.audit.bound import correct_guesses, epsilon_lower_bound
+from dplit.audit.fdp import dpsgd_mu, gdp_bound, gdp_delta, gdp_epsilon, mu_lower_bound, refutes
+from dplit.audit.simulation import plan_counts, plan_guesses, simulate_white_box
+
+
+def mu_hat(canaries: int, guesses: int, correct: int, level: float = 0.05) -> float:
+    return float(mu_lower_bound(canaries=canaries, guesses=np.array(guesses), correct=np.array(correct), level=level))
+
+
+# the bound
+
+
+def test_one_guess_on_one_canary_refutes_exactly_the_mu_whose_best_accuracy_is_below_the_level() -> None:
+    """One right guess on one canary refutes exactly the μ with Φ(μ/2) < τ.
+
+    μ-GDP lets a single guess be right with probability at most Φ(μ/2): μ̂ = 2Φ⁻¹(τ), approached from below.
+    """
+    for level in (0.7, 0.9, 0.99):
+        exact = 2 * stats.norm.ppf(level)
+        got = mu_hat(1, 1, 1, level)
+        assert exact - 1e-3 < got <= exact
+
+
+def test_refuted_mu_form_an_interval_from_zero() -> None:
+    mus = np.linspace(0, 3, 61)
+    refuted = refutes(mus, canaries=1000, guesses=np.array(200), correct=np.array(180), level=0.05)
+    assert refuted[0] and not refuted[-1]
+    assert (np.diff(refuted.astype(int)) <= 0).all()  # once consistent, consistent for every larger μ
+
+
+def test_mu_hat_grows_with_right_guesses_and_with_confidence_spent() -> None:
+    bounds = [mu_hat(1000, 200, v) for v in (110, 130, 150, 170, 200)]
+    assert bounds == sorted(bounds) and bounds[0] < bounds[-1]
+    assert mu_hat(1000, 200, 100) == 0.0  # half right refutes nothing
+    assert mu_hat(1000, 200, 150, level=0.01) < mu_hat(1000, 200, 150, level=0.05)
+    assert mu_hat(1000, 1000, 1000) > mu_hat(1000, 200, 200)  # more right guesses, more evidence
+
+
+def test_a_lane_array_gives_the_same_bounds_as_one_lane_at_a_time() -> None:
+    guesses, correct = np.array([50, 200, 1000, 10]), np.array([40, 170, 600, 10])
+    together = mu_lower_bound(canaries=1000, guesses=guesses, correct=correct, level=0.05)
+    alone = [mu_hat(1000, int(r), int(v)) for r, v in zip(guesses, correct, strict=True)]
+    assert together.tolist() == alone
+
+
+@pytest.mark.parametrize("mu", [0.3, 1.0, 2.5])
+def test_gdp_privacy_profile_matches_numerical_integration_of_the_privacy_loss(mu: float) -> None:
+    """δ(ε) = E_P[(1 − e^{ε − L})₊] with L = μX − μ²/2, X ~ N(μ, 1): integrated numerically, not from the formula."""
+    for epsilon in (0.1, 1.0, 3.0):
+
+        def integrand(x: float, epsilon: float = epsilon) -> float:
+            return stats.norm.pdf(x, loc=mu) * max(0.0, 1 - math.exp(epsilon - (mu * x - mu**2 / 2)))
+
+        integral, _ = integrate.quad(integrand, (epsilon + mu**2 / 2) / mu, math.inf, epsabs=1e-13)
+        assert gdp_delta(epsilon, mu) == pytest.approx(integral, rel=1e-6, abs=1e-14)
+
+
+@pytest.mark.parametrize(("sigma", "steps", "delta"), [(4.0, 20, 1e-5), (1.0, 1, 1e-6), (10.0, 100, 1e-7)])
+def test_full_batch_dpsgd_epsilon_matches_the_pld_accountant(sigma: float, steps: int, delta: float) -> None:
+    """T full-batch Gaussian steps are exactly √T/σ-GDP: its ε at δ equals dp-accounting's PLD of one Gaussian."""
+    mu = dpsgd_mu(noise_multiplier=sigma, sample_rate=1.0, steps=steps)
+    assert mu == pytest.approx(math.sqrt(steps) / sigma)
+    pld = privacy_loss_distribution.from_gaussian_mechanism(
+        standard_deviation=sigma / math.sqrt(steps), sensitivity=1.0, value_discretization_interval=1e-4
+    )
+    assert gdp_epsilon(mu, delta) == pytest.approx(pld.get_epsilon_for_delta(delta), abs=2e-3)
+    assert gdp_delta(gdp_epsilon(mu, delta), mu) >= delta  # ε̂ read from below: never overstated
+
+
+def test_poisson_dpsgd_mu_is_the_central_limit_approximation_and_none_without_noise() -> None:
+    assert dpsgd_mu(noise_multiplier=1.0, sample_rate=0.05, steps=60) == pytest.approx(
+        0.05 * math.sqrt(60 * (math.e - 1))
+    )
+    assert dpsgd_mu(noise_multiplier=0.0, sample_rate=1.0, steps=5) == math.inf
+
+
+# the plan and the score
+
+
+def test_the_plan_is_reproducible_and_its_ceiling_is_all_guesses_right() -> None:
+    kwargs = {"canaries": 400, "noise_multiplier": 2.0, "sample_rate": 1.0, "steps": 16, "delta": 1e-6,
+              "confidence": 0.95, "seed": 3, "simulations": 4}  # fmt: skip
+    plan = plan_guesses(**kwargs)
+    assert plan == plan_guesses(**kwargs)
+    assert plan.k_plus in plan_counts(400) and plan.k_minus in plan_counts(400)
+    guesses = plan.k_plus + plan.k_minus
+    assert plan.ceiling_mu == mu_hat(400, guesses, guesses)
+    assert 0 < plan.expected_mu <= plan.ceiling_mu and plan.expected_epsilon == gdp_epsilon(plan.expected_mu, 1e-6)
+
+
+def test_without_noise_the_plan_shows_nearly_the_most_m_canaries_can_show() -> None:
+    """Full batches, σ = 0: every included canary is seen at every step, so all m guesses can be right."""
+    plan = plan_guesses(canaries=1000, noise_multiplier=0.0, sample_rate=1.0, steps=5, delta=1e-7, confidence=0.95,
+                        seed=0, simulations=2)  # fmt: skip
+    most = gdp_epsilon(mu_hat(1000, 1000, 1000), 1e-7)
+    assert plan.expected_epsilon >= 0.9 * most
+
+
+def test_the_white_box_score_is_the_log_likelihood_ratio_of_the_gaussian_mixture() -> None:
+    from dplit.audit.canaries import white_box_step_score
+
+    x = torch.linspace(-3, 4, 15, dtype=torch.float64)
+    for q, sigma in ((0.05, 1.3), (0.5, 0.7), (1.0, 2.0)):
+        score = white_box_step_score(x, noise_multiplier=sigma, sample_rate=q)
+        inside = np.log((1 - q) * stats.norm.pdf(x.numpy(), 0, sigma) + q * stats.norm.pdf(x.numpy(), 1, sigma))
+        expected = inside - stats.norm.logpdf(x.numpy(), 0, sigma)
+        assert np.allclose(score.numpy(), expected, rtol=1e-10, atol=1e-12)
+    assert torch.equal(white_box_step_score(x, noise_multiplier=0.0, sample_rate=0.1), x)
+
+
+# soundness: the exact Gaussian mechanism, simulated
+
+
+def false_positives(true_mu: float, trials: int = 200) -> tuple[int, int]:
+    """How often each analysis at 95% overstates ``trials`` exact Gaussian mechanisms of ``true_mu``.
+
+    m = 1000, full batches: μ̂ > μ (f-DP) and ε̂ > ε(μ) at δ = 1e-5 ((ε, δ), with one pair fixed in advance, the
+    case the grid's Bonferroni only makes more conservative).
+    """
+    canaries, steps, delta = 1000, 10, 1e-5
+    sigma = math.sqrt(steps) / true_mu
+    plan = plan_guesses(canaries=canaries, noise_multiplier=sigma, sample_rate=1.0, steps=steps, delta=delta,
+                        confidence=0.95, seed=12345, simulations=4)  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    true_epsilon = gdp_epsilon(true_mu, delta)
+    fdp = eps_delta = 0
+    for _ in range(trials):
+        scores, included = simulate_white_box(
+            canaries=canaries, noise_multiplier=sigma, sample_rate=1.0, steps=steps, generator=generator
+        )
+        bound = gdp_bound(scores, included, k_plus=plan.k_plus, k_minus=plan.k_minus, delta=delta, confidence=0.95)
+        fdp += bound.mu > true_mu
+        right = correct_guesses(scores, included, k_plus=plan.k_plus, k_minus=plan.k_minus)
+        eps_delta += epsilon_lower_bound(canaries=canaries, guesses=plan.k_plus + plan.k_minus, correct=right,
+                                         delta=delta, confidence=0.95) > true_epsilon  # fmt: skip
+    return fdp, eps_delta
+
+
+@pytest.mark.slow
+def test_both_bounds_overstate_an_exact_gaussian_mechanism_at_most_five_percent_of_the_time() -> None:
+    fdp, eps_delta = false_positives(1.0)
+    assert fdp <= 10 and eps_delta <= 10, (fdp, eps_delta)
+
+
+def test_the_soundness_check_can_fail_it_sees_an_understated_truth() -> None:
+    """The same count against a truth stated at a quarter of the real μ: nearly every trial overstates it."""
+    canaries, steps = 1000, 10
+    sigma = math.sqrt(steps) / 2.0
+    generator = torch.Generator().manual_seed(1)
+    over = 0
+    for _ in range(10):
+        scores, included = simulate_white_box(
+            canaries=canaries, noise_multiplier=sigma, sample_rate=1.0, steps=steps, generator=generator
+        )
+        over += gdp_bound(scores, included, k_plus=100, k_minus=100, delta=1e-5, confidence=0.95).mu > 0.5
+    assert over >= 9
