@@ -1,12 +1,17 @@
 """How tight is dplit's DP guarantee in practice, and can the audit see a bug? ``dplit audit`` over a grid.
 
-Table 1: claimed ε ∈ {1, 2, 4, 8} and the non-private row (σ = 0) against the one-run lower bound ε̂, white-box
-(gradient canaries) and black-box (random-token canaries), for the quickstart model (Poisson batches at q = 0.05, and 64 rows in
+Every run reports both analyses of the same canaries: the one-run f-DP bound (Mahloujifar et al. 2025, Gaussian
+curve; ``audit.analysis: fdp``, the default) and the (ε, δ) bound of Steinke et al. 2023 (``eps_delta``).
+Table 1: claimed ε ∈ {1, 2, 4, 8} and the non-private row (σ = 0) against ε̂, white-box (gradient canaries) and
+black-box (random-token canaries), m = 1000, for the quickstart model (Poisson batches at q = 0.05, and 64 rows in
 full batches, where a one-run audit has most power) and a tiny Llama LM (full batches).
-Table 2: the quickstart model in full batches with deliberately broken mechanisms (``tests/helpers/audit_mechanisms.py``):
-noise std halved, division by the realised batch size, a canary's clipping skipped, no clipping at all.
+Table 2: the quickstart model in full batches, m = 10,000, with deliberately broken mechanisms
+(``tests/helpers/audit_mechanisms.py``): noise std halved, division by the realised batch size, a canary's clipping
+skipped, no clipping at all; with the white-box scale checks.
+Table 3: repeated runs (independent noise and canaries), full batches, m = 10,000: the correct mechanism 10 times at
+claimed ε = 1 and 4 and 5 times at 8, halved noise 5 times at ε = 1 and 4.
 
-Run:  python -m bench.audit            (50 runs, about 11 minutes on 2 CPU cores)
+Run:  python -m bench.audit            (71 runs, about 45 minutes on 2 free CPU cores)
       python -m bench.audit --smoke    (two tiny runs, seconds: checks the pipeline)
 Writes bench/results/audit/{results.json,table.md}; each run's output goes to bench/out/audit/.
 """
@@ -50,6 +55,10 @@ SETUPS: dict[str, tuple[str, list[str]]] = {
     ),
 }  # fmt: skip
 BUG_SETUP = "quickstart GPT-2, full batches (64 rows, q = 1, 20 steps, δ = 1e-7)"
+BUG_CANARIES = 10_000
+REPEATS = {("correct", 1.0): 10, ("correct", 4.0): 10, ("correct", 8.0): 5, ("noise std × 0.5", 1.0): 5,
+           ("noise std × 0.5", 4.0): 5}  # fmt: skip
+"""Table 3: (mechanism, claimed ε) → independent runs at m = 10,000 (the first also fills table 2's cell)."""
 MECHANISMS = {
     "correct": None,
     "noise std × 0.5": "HalfNoise",
@@ -85,8 +94,14 @@ def plan(smoke: bool) -> list[dict[str, Any]]:
         for setup in SETUPS for claimed in (*EPSILONS, None) for mode in MODES
     ]  # fmt: skip
     runs += [
-        {"table": 2, "setup": BUG_SETUP, "mode": "white_box", "claimed": claimed, "mechanism": name, "canaries": m}
-        for m in (1000, 100_000) for claimed in (1.0, 4.0) for name in MECHANISMS
+        {"table": 3, "setup": BUG_SETUP, "mode": "white_box", "claimed": claimed, "mechanism": name,
+         "canaries": BUG_CANARIES, "repeat": repeat}
+        for (name, claimed), count in REPEATS.items() for repeat in range(count)
+    ]  # fmt: skip
+    runs += [
+        {"table": 2, "setup": BUG_SETUP, "mode": "white_box", "claimed": claimed, "mechanism": name,
+         "canaries": BUG_CANARIES}
+        for claimed in (1.0, 4.0) for name in MECHANISMS if (name, claimed) not in REPEATS
     ]  # fmt: skip
     return runs
 
@@ -118,15 +133,26 @@ def execute(run: dict[str, Any], index: int, logs: Path, timeout: float) -> dict
         return {**row, "error": problem or "no audit.json"}
 
 
-def cell(row: dict[str, Any] | None) -> str:
-    """ε̂ of a row, marked when it exceeds the claim."""
+def cell(row: dict[str, Any] | None, analysis: str = "fdp") -> str:
+    """ε̂ of a row under ``analysis``, marked when it exceeds the claim."""
     if row is None:
         return "–"
     if "error" in row:
         return "failed"
     report = row["report"]
-    flag = " **> claim**" if report["violation"] else ""
-    return f"{report['epsilon_lower_bound']:.2f}{flag}"
+    value = report[analysis]["epsilon"]
+    claimed = report["claimed_epsilon"]
+    flag = " **> claim**" if claimed is not None and value > claimed else ""
+    return f"{value:.2f}{flag}"
+
+
+def checks_cell(row: dict[str, Any] | None) -> str:
+    """The white-box scale checks of a row: the measured signal and noise (× C, × σC), failed ones in bold."""
+    if row is None or "report" not in row:
+        return "–"
+    parts = [f"{check['measured']:.2f}" if check["passed"] else f"**{check['measured']:.2f} ✗**"
+             for check in row["report"]["checks"]]  # fmt: skip
+    return " / ".join(parts) or "–"
 
 
 def claimed_text(rows: list[dict[str, Any]], claimed: float | None) -> str:
@@ -137,8 +163,48 @@ def claimed_text(rows: list[dict[str, Any]], claimed: float | None) -> str:
     return f"{done[0]:.2f}" if done else f"{claimed:g}"
 
 
+def plan_cell(row: dict[str, Any] | None, key: str) -> str:
+    """The f-DP plan's ``expected_epsilon`` or ``ceiling_epsilon`` of a row."""
+    return f"{row['report']['plan'][key]:.2f}" if row is not None and "report" in row else "–"
+
+
+def grid_table(rows: list[dict[str, Any]], setup: str) -> list[str]:
+    """Table 1 for one setup: both analyses, both modes, the expected and largest f-DP ε̂."""
+    lines = [f"## {setup}", "",
+             "| claimed ε | white-box f-DP | white-box (ε, δ) | f-DP expected if correct | f-DP at most (m = 1000) | "
+             "black-box f-DP | black-box (ε, δ) |", "|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for claimed in (*EPSILONS, None):
+        pair = {row["mode"]: row for row in rows if row["claimed"] == claimed}
+        if pair:
+            white, black = pair.get("white_box"), pair.get("black_box")
+            lines.append(
+                f"| {claimed_text(list(pair.values()), claimed)} | {cell(white)} | {cell(white, 'eps_delta')} | "
+                f"{plan_cell(white, 'expected_epsilon')} | {plan_cell(white, 'ceiling_epsilon')} | {cell(black)} | "
+                f"{cell(black, 'eps_delta')} |"
+            )
+    return [*lines, ""]
+
+
+def repeat_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Table 3: each (mechanism, claimed ε)'s runs, how many exceed the claim, and their ε̂."""
+    lines = ["## Repeated runs (full batches, m = 10,000, white-box)", "",
+             "| mechanism | claimed ε | runs | f-DP ε̂ > claim | (ε, δ) ε̂ > claim | a check fails | f-DP ε̂ (each run) |",
+             "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    for name, claimed in REPEATS:
+        done = [row for row in rows if row["mechanism"] == name and row["claimed"] == claimed and "report" in row]
+        if not done:
+            continue
+        reports = [row["report"] for row in done]
+        over = {key: sum(r[key]["epsilon"] > r["claimed_epsilon"] for r in reports) for key in ("fdp", "eps_delta")}
+        failed = sum(any(not check["passed"] for check in r["checks"]) for r in reports)
+        each = ", ".join(f"{r['fdp']['epsilon']:.2f}" for r in reports)
+        lines.append(f"| {name} | {reports[0]['claimed_epsilon']:.2f} | {len(reports)} | {over['fdp']} | "
+                     f"{over['eps_delta']} | {failed} | {each} |")  # fmt: skip
+    return [*lines, ""]
+
+
 def table(results: dict[str, Any]) -> str:
-    """Both tables, as Markdown."""
+    """The three tables, as Markdown."""
     rows = results["runs"]
     lines = [
         "# dplit audit: ε̂ (95% confidence) against the claimed ε",
@@ -148,26 +214,22 @@ def table(results: dict[str, Any]) -> str:
     ]
     for setup in SETUPS:
         chosen = [row for row in rows if row["table"] == 1 and row["setup"] == setup]
-        if not chosen:
-            continue
-        lines += [f"## {setup}", "", "| claimed ε | ε̂ white-box | ε̂ black-box |", "|---:|---:|---:|"]
-        for claimed in (*EPSILONS, None):
-            pair = {row["mode"]: row for row in chosen if row["claimed"] == claimed}
-            if pair:
-                lines.append(
-                    f"| {claimed_text(list(pair.values()), claimed)} | {cell(pair.get('white_box'))} | {cell(pair.get('black_box'))} |"
-                )
-        lines.append("")
-    bugs = [row for row in rows if row["table"] == 2]
+        if chosen:
+            lines += grid_table(chosen, setup)
+    bugs = [row for row in rows if row["table"] == 2 or (row["table"] == 3 and row.get("repeat") == 0)]
     if bugs:
-        lines += [f"## Broken mechanisms ({BUG_SETUP}, white-box)", "",
-                  "| mechanism | m | ε̂ at claimed ε = 1 | ε̂ at claimed ε = 4 |", "|---|---:|---:|---:|"]  # fmt: skip
-        for m in (1000, 100_000):
-            for name in MECHANISMS:
-                pair = {row["claimed"]: row for row in bugs if row["mechanism"] == name and row["canaries"] == m}
-                if pair:
-                    lines.append(f"| {name} | {m:,} | {cell(pair.get(1.0))} | {cell(pair.get(4.0))} |")
+        lines += [f"## Broken mechanisms ({BUG_SETUP}, white-box, m = {BUG_CANARIES:,})", "",
+                  "| mechanism | f-DP ε̂ at ε = 1 | (ε, δ) ε̂ at ε = 1 | checks at ε = 1 | f-DP ε̂ at ε = 4 | "
+                  "(ε, δ) ε̂ at ε = 4 | checks at ε = 4 |", "|---|---:|---:|---|---:|---:|---|"]  # fmt: skip
+        for name in MECHANISMS:
+            pair = {row["claimed"]: row for row in bugs if row["mechanism"] == name}
+            one, four = pair.get(1.0), pair.get(4.0)
+            lines.append(f"| {name} | {cell(one)} | {cell(one, 'eps_delta')} | {checks_cell(one)} | {cell(four)} | "
+                         f"{cell(four, 'eps_delta')} | {checks_cell(four)} |")  # fmt: skip
         lines.append("")
+    repeats = [row for row in rows if row["table"] == 3]
+    if repeats:
+        lines += repeat_table(repeats)
     return "\n".join(lines)
 
 

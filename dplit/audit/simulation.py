@@ -19,8 +19,8 @@ from dplit.audit.bound import guess_outcomes
 from dplit.audit.canaries import white_box_step_score
 from dplit.audit.fdp import gdp_epsilon, mu_lower_bound
 
-SIMULATIONS = 8
-"""Simulated runs behind a plan: enough for a stable median."""
+SIMULATED_CANARIES = 40_000
+"""Canaries simulated behind a plan, over 3 to 8 runs: a stable median at m = 1000 (8 runs) and m = 10,000 (4)."""
 PLAN_FRACTIONS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5)
 """The k₊ and k₋ a plan chooses from, as shares of m: a fine grid costs no confidence, as the choice is made on
 simulated runs only."""
@@ -72,7 +72,7 @@ class GuessPlan:
 
 def plan_guesses(
     *, canaries: int, noise_multiplier: float, sample_rate: float, steps: int, delta: float, confidence: float,
-    seed: int, simulations: int = SIMULATIONS,
+    seed: int, simulations: int | None = None,
 ) -> GuessPlan:  # fmt: skip
     """Choose (k₊, k₋) among :func:`plan_counts` on simulated correct runs: the pair of the largest median μ̂.
 
@@ -84,8 +84,9 @@ def plan_guesses(
         delta: the run's δ (μ̂ is read as ε̂ there).
         confidence: of the bound.
         seed: of the simulations (the audit's own seed).
-        simulations: how many correct runs to simulate.
+        simulations: how many correct runs to simulate (default: :data:`SIMULATED_CANARIES` / m, from 3 to 8).
     """
+    simulations = simulations or min(8, max(3, SIMULATED_CANARIES // canaries))
     generator = torch.Generator().manual_seed(seed)
     level = 1 - confidence
     runs = []

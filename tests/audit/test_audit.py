@@ -311,7 +311,10 @@ def test_the_audit_benchmark_runs_and_tabulates(tmp_path: Path) -> None:
     assert all(report["canaries"] == 100 for report in reports) and reports[0]["sample_rate"] == 1.0
     assert reports[1]["dataset_size"] == 64 + reports[1]["canaries_included"]
     table = (tmp_path / "table.md").read_text()
-    row = f"| {reports[0]['claimed_epsilon']:.2f} | {reports[0]['epsilon_lower_bound']:.2f} | {reports[1]['epsilon_lower_bound']:.2f} |"
+    white, black = reports
+    row = (f"| {white['claimed_epsilon']:.2f} | {white['fdp']['epsilon']:.2f} | {white['eps_delta']['epsilon']:.2f} | "
+           f"{white['plan']['expected_epsilon']:.2f} | {white['plan']['ceiling_epsilon']:.2f} | "
+           f"{black['fdp']['epsilon']:.2f} | {black['eps_delta']['epsilon']:.2f} |")  # fmt: skip
     assert row in table
 
 
