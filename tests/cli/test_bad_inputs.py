@@ -322,6 +322,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
     ("audit-confidence-outside-0-1", auditing("--audit.confidence", "1.5"), r"^audit\.confidence must be in \(0, 1\), got 1\.5$"),
     ("audit-unknown-mode", auditing("--audit.mode", "grey_box"), r"^audit\.mode must be one of white_box, black_box, got 'grey_box'$"),
+    ("audit-unknown-analysis", auditing("--audit.analysis", "renyi"), r"^audit\.analysis must be one of fdp, eps_delta, got 'renyi'$"),
     ("lm-audit-confidence-zero", lambda scratch, tokenizer, run: ["lm", "audit", *lm_args(run), "--audit.confidence", "0"], r"^audit\.confidence must be in \(0, 1\), got 0"),
     ("audit-without-dp", auditing("--trainer.strategy", "auto", "--non_private", "true"), r"^dplit audit audits DP-SGD: set trainer\.strategy to dplit\.strategy\.DPStrategy$"),
     ("audit-more-canaries-than-coordinates", auditing("--audit.canaries", "10000000"), r"^audit\.canaries=10000000 exceeds the \d+ trainable coordinates of the model$"),
