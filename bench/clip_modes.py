@@ -1,0 +1,225 @@
+"""Fixed C vs private quantile clipping vs automatic clipping on real SST-2 with SmolLM2-135M-Instruct (issue 37).
+
+Run (CPU, about 10 minutes per run and two runs at once on 2 cores; the GGUF checkpoint and SST-2 TSVs from
+``$DPLIT_DATA_DIR`` or /work/shared/data)::
+
+    python -m bench.clip_modes                 # 5 seeds x 5 arms; resumes: finished runs are kept
+    python -m bench.clip_modes --seeds 0 1     # fewer seeds
+
+Every arm trains the untied SmolLM2 config (``configs/smollm2_sst2_untied.yaml``, with the tying study's CPU
+settings: full fine-tuning, float32, 1 epoch, AdamW at one learning rate) on the first ``--train-rows`` SST-2 train
+rows at the same target ε, and validates on the first ``--eval-examples`` dev rows. The arms differ only in the
+clipping: ``fixed`` at C in ``--fixed-bounds``, ``quantile`` (γ = 0.5 from C_0 = 1, η and σ_b at their defaults) and
+``automatic`` (C = 1, γ_stability at its default). Runs are paired by seed: a seed fixes the initialisation, the data
+order, the Poisson batches and the noise's seed for every arm. The paired statistics compare each adaptive mode with
+each fixed C. With AdamW the update does not scale with the gradient's size, so one learning rate serves every arm.
+Results: ``--out``/results.json and table.md (default bench/results/clip_modes/), naming the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from bench.study import sst2
+from bench.study.arm import install_stop_handlers, run_all
+from bench.study.paired import paired_statistics
+from bench.study.record import ROOT, git_info, machine_info, machine_line, mean_std, write_json
+from bench.tying.arms import dplit_args
+
+STRATEGY = "--trainer.strategy.init_args."
+ADAPTIVE = ("quantile", "automatic")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The study's arguments (defaults: the tying study's CPU settings, 1000 train rows, 256 dev rows, ε = 8)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.clip_modes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    add("--fixed-bounds", type=float, nargs="+", default=[0.01, 0.1, 1.0], help="C of the fixed arms")
+    add("--train-rows", type=int, default=1000, help="the first N rows of SST-2 train")
+    add("--eval-examples", type=int, default=256, help="the first N dev rows")
+    add("--batch-size", type=int, default=8, help="expected rows per Poisson batch")
+    add("--epsilon", type=float, default=8.0)
+    add("--lr", type=float, default=5e-4)
+    add("--max-length", type=int, default=64)
+    add("--eval-batch-size", type=int, default=32)
+    add("--physical-batch-size", type=int, default=16)
+    add("--epochs", type=int, default=1)
+    add("--threads", type=int, default=1, help="torch threads per run")
+    add("--jobs", type=int, default=2, help="runs at once")
+    add("--timeout", type=float, default=2400.0, help="seconds per run")
+    add("--out", type=Path, default=ROOT / "bench" / "results" / "clip_modes")
+    add("--logs", type=Path, default=ROOT / "bench" / "out" / "clip_modes", help="logs (git-ignored)")
+    add("--dry-run", action="store_true", help="print each run's dplit command and exit")
+    sst2.add_source_arguments(parser)
+    args = parser.parse_args(argv)
+    args.accelerator, args.precision, args.lora_lr, args.max_grad_norm = "cpu", "32-true", args.lr, 1.0
+    return args
+
+
+def arm_flags(args: argparse.Namespace) -> dict[str, tuple[float, list[str]]]:
+    """Each arm's name, its C (C_0 of quantile, the scale of automatic) and its clipping flags."""
+    arms = {f"fixed_C{bound:g}": (bound, [STRATEGY + "clip_mode", "fixed"]) for bound in args.fixed_bounds}
+    arms["quantile"] = (1.0, [STRATEGY + "clip_mode", "quantile", STRATEGY + "target_quantile", "0.5"])
+    arms["automatic"] = (1.0, [STRATEGY + "clip_mode", "automatic"])
+    return arms
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run every (seed, arm) not yet in results.json, seed by seed; write results.json and table.md."""
+    args = parse_args(argv)
+    install_stop_handlers()
+    sources = sst2.prepare(args)
+    arms = arm_flags(args)
+
+    def command(run: dict[str, Any], log_dir: Path) -> list[str]:
+        bound, flags = arms[run["arm"]]
+        arm_args = copy.copy(args)
+        arm_args.max_grad_norm = bound
+        spec = {
+            "arm": "dp_untied",
+            "seed": run["seed"],
+            "dp_seed": run["seed"],
+            "epsilon": args.epsilon,
+            "rows": args.train_rows,
+        }
+        return dplit_args(arm_args, sources, spec, log_dir) + flags
+
+    out = args.out / "results.json"
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("seeds", "jobs", "timeout", "dry_run")}
+    previous = json.loads(out.read_text()) if out.is_file() else {}
+    kept = [row for row in previous.get("runs", []) if row.get("status") == "ok"]
+    if previous and previous.get("settings") != settings:
+        raise SystemExit(f"{out} was made with other settings: move it away to start over")
+    done = {row["name"] for row in kept}
+    runs = [
+        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "max_grad_norm": arms[arm][0]}
+        for seed in args.seeds
+        for arm in arms
+        if f"{arm}_seed{seed}" not in done
+    ]
+    if args.dry_run:
+        for run in runs:
+            print(" ".join(["dplit", *command(run, args.logs / run["name"])]))
+        return {}
+    results: dict[str, Any] = {
+        "command": "python -m bench.clip_modes",
+        "settings": settings,
+        "machine": machine_info(args.threads),
+        "git": git_info("dplit", "configs", "bench"),
+        "model": sst2.model_line(sources),
+        "runs": kept,
+        "wall_s": previous.get("wall_s", 0.0),
+    }
+    run_all(
+        runs,
+        results,
+        command=command,
+        logs=args.logs,
+        threads=args.threads,
+        timeout=args.timeout,
+        write=lambda data: write_json(add_ledger_facts(data), out),
+        jobs=args.jobs,
+    )
+    write_json(add_ledger_facts(results), out)
+    (args.out / "table.md").write_text(table(results))
+    print(table(results))
+    return results
+
+
+def add_ledger_facts(results: dict[str, Any]) -> dict[str, Any]:
+    """Copy each run's clipping facts (mode, final C_t, σ_eff) from its privacy ledger into its row."""
+    for row in results["runs"]:
+        ledger = Path(row.get("log_dir") or "/nonexistent") / "privacy_ledger.json"
+        if "clip" not in row and ledger.is_file():
+            facts = json.loads(ledger.read_text())
+            row["clip"] = {
+                key: facts.get(key)
+                for key in (
+                    "clip_mode",
+                    "clip_bound",
+                    "gradient_noise_multiplier",
+                    "count_noise_multiplier",
+                    "automatic_stability",
+                )
+            }
+    return results
+
+
+def accuracies(results: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Dev accuracy (in points) of every finished run, by arm and seed."""
+    by_arm: dict[str, dict[int, float]] = {}
+    for row in results["runs"]:
+        if row.get("status") == "ok":
+            by_arm.setdefault(row["arm"], {})[row["seed"]] = 100 * row["val_acc"]
+    return by_arm
+
+
+def table(results: dict[str, Any]) -> str:
+    """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C."""
+    by_arm = accuracies(results)
+    rows = [r for r in results["runs"] if r.get("status") == "ok"]
+    lines = [
+        "| arm | seeds | dev acc (mean ± sd) | ε | σ (σ_eff) | final C_t | steps | step time (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, accs in by_arm.items():
+        mine = [r for r in rows if r["arm"] == arm]
+        clip = [r.get("clip") or {} for r in mine]
+        sigma = f"{statistics.fmean(r['noise_multiplier'] for r in mine):.3f}"
+        if clip[0].get("gradient_noise_multiplier"):
+            sigma += f" ({statistics.fmean(c['gradient_noise_multiplier'] for c in clip):.3f})"
+        bounds = [c["clip_bound"] for c in clip if c.get("clip_bound") is not None]
+        lines.append(
+            f"| {arm} | {len(accs)} | {mean_std(list(accs.values()))['mean']:.1f} ± "
+            f"{mean_std(list(accs.values()))['std'] or 0:.1f}% | "
+            f"{statistics.fmean(r['epsilon_spent'] for r in mine):.2f} | {sigma} | "
+            f"{f'{min(bounds):.3g}–{max(bounds):.3g}' if bounds else '–'} | "
+            f"{statistics.fmean(r['steps'] for r in mine):.0f} | "
+            f"{statistics.fmean(r['step_time_median_s'] for r in mine):.2f} |"
+        )
+    pairs = [
+        "| adaptive − fixed | paired seeds | mean (points) | 95% CI | sign test (+/−/tie, p) |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in (m for m in ADAPTIVE if m in by_arm):
+        for fixed in (a for a in by_arm if a.startswith("fixed")):
+            seeds = sorted(set(by_arm[mode]) & set(by_arm[fixed]))
+            stats = paired_statistics([by_arm[mode][s] - by_arm[fixed][s] for s in seeds])
+            ci = "–" if stats["ci"] is None else f"[{stats['ci'][0]:+.1f}, {stats['ci'][1]:+.1f}]"
+            sign = stats["sign_test"]
+            pairs.append(
+                f"| {mode} − {fixed} | {stats['n']} | {stats['mean']:+.1f} | {ci} | "
+                f"{sign['positive']}/{sign['negative']}/{sign['ties']}, {sign['p']:.2f} |"
+            )
+    s = results["settings"]
+    return "\n".join(
+        [
+            f"# Clipping modes on SST-2, SmolLM2-135M-Instruct (`{results['command']}`)",
+            "",
+            f"Model: {results['model']}; untied embeddings, full fine-tuning, {s['epochs']} epoch, float32 on the CPU, "
+            f"AdamW lr {s['lr']}, expected batch {s['batch_size']} (Poisson), target ε = {s['epsilon']}. Data: the first "
+            f"{s['train_rows']} SST-2 train rows; dev: the first {s['eval_examples']} dev rows. Quantile: γ = 0.5 from "
+            "C_0 = 1, η = 0.2, σ_b = expected batch / 20 (defaults); automatic: C = 1, stability 0.01 (default). A seed "
+            "fixes initialisation, data order, batches and noise seed for every arm. Step time: median wall seconds, "
+            "1 torch thread, two runs at once.",
+            "",
+            *lines,
+            "",
+            *pairs,
+            "",
+            machine_line(results) + ".",
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    main()
