@@ -33,21 +33,22 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.machine import ROOT, free_port, git_info, machine_info
 from bench.report import machine_line
 from bench.step import MODELS, build_model, cpu_jiffies, current_rss_mb, make_batch, others_share, peak_rss_mb
+from bench.targets import Target, busy_note, ratio_table, ratios
 
 ARMS = ("dp_fsdp", "dp_ddp", "non_private_fsdp")
-RATIOS = (  # name, numerator arm, denominator arm, field, target (None: reported only)
-    ("step_time dp_fsdp / non_private_fsdp", "dp_fsdp", "non_private_fsdp", "step_time_s", 1.15),
-    ("CPU time per step dp_fsdp / non_private_fsdp", "dp_fsdp", "non_private_fsdp", "step_cpu_s", None),
-    ("state per rank dp_fsdp / dp_ddp", "dp_fsdp", "dp_ddp", "state_bytes", 0.55),
-    ("peak memory per rank dp_fsdp / dp_ddp", "dp_fsdp", "dp_ddp", "peak_mem_mb", None),
-)
-BUSY = 0.15  # the share of the CPUs other processes used above which an arm's timings count as disturbed
+RATIOS = [
+    Target("step_time dp_fsdp / non_private_fsdp", "dp_fsdp", "non_private_fsdp", "step_time_s", 1.15),
+    Target("CPU time per step dp_fsdp / non_private_fsdp", "dp_fsdp", "non_private_fsdp", "step_cpu_s", None),
+    Target("state per rank dp_fsdp / dp_ddp", "dp_fsdp", "dp_ddp", "state_bytes", 0.55),
+    Target("peak memory per rank dp_fsdp / dp_ddp", "dp_fsdp", "dp_ddp", "peak_mem_mb", None),
+]
 Arm = tuple[Callable[[], None], Any, Any]  # an arm's step closure, its AdamW and its DPSGD (None: non-private)
 
 
@@ -232,19 +233,9 @@ def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
             "state_bytes": max(r["state"]["total"] for r in ranks), "others_share": others, "ranks": ranks}  # fmt: skip
 
 
-def ratios(arms: dict[str, dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
-    """Each of :data:`RATIOS` from this run's arms (``None`` where an arm failed), with its target and verdict.
-
-    At world size 1 nothing is sharded: the state and memory ratios are then reported without a target.
-    """
-    out = []
-    for name, top, bottom, field, target in RATIOS:
-        a, b = arms[top].get(field), arms[bottom].get(field)
-        target = None if world_size == 1 and field != "step_time_s" else target
-        value = a / b if a is not None and b else None
-        met = None if value is None or target is None else value <= target
-        out.append({"name": name, "field": field, "value": value, "target": target, "met": met})
-    return out
+def targets(world_size: int) -> list[Target]:
+    """:data:`RATIOS`; at world size 1 nothing is sharded, so only the step time keeps its target."""
+    return [t if world_size > 1 or t.field == "step_time_s" else replace(t, target=None) for t in RATIOS]
 
 
 def arm_row(arm: dict[str, Any]) -> str:
@@ -257,23 +248,10 @@ def arm_row(arm: dict[str, Any]) -> str:
             f"{arm['peak_mem_mb']:.0f} | {state['total'] / 2**20:.0f} ({parts}) |")  # fmt: skip
 
 
-def ratio_row(ratio: dict[str, Any]) -> str:
-    """One ratio's table row, with its target and whether it was met (``orientation``: no target)."""
-    value = "–" if ratio["value"] is None else f"{ratio['value']:.3f}"
-    target = "orientation" if ratio["target"] is None else f"≤ {ratio['target']}"
-    met = "–" if ratio["met"] is None else ("yes" if ratio["met"] else "**no**")
-    return f"| {ratio['name']} | {value} | {target} | {met} |"
-
-
 def table(results: dict[str, Any]) -> str:
     """The markdown page: machine, command, settings, one row per arm, the ratios against their targets."""
     s, arms = results["settings"], results["arms"].values()
-    busy = [a["others_share"] for a in arms if (a.get("others_share") or 0) > BUSY]
-    noisy = (
-        f"**Noisy timings**: other processes used up to {max(busy):.0%} of the CPUs while steps were timed. "
-        if busy
-        else ""
-    )
+    noisy = busy_note(list(arms))
     code = f"`` {results['command']} ``" if "`" in results["command"] else f"`{results['command']}`"
     memory = "CUDA max allocated" if s["device"] == "cuda" else "peak RSS (getrusage; the whole model exists at build)"
     return "\n".join([
@@ -283,10 +261,10 @@ def table(results: dict[str, Any]) -> str:
         f"B = {s['batch_size']} per rank, T = {s['seq_len']}, {s['policy']} embedding, {s['steps']} timed steps after "
         f"{s['warmup']} warm-up, {s['threads']} torch thread(s) per rank; σ = {s['sigma']}, C = {s['max_grad_norm']}, "
         f"ghost clipping; each arm in its own spawn. Peak memory: {memory}, the largest rank's.", "",
-        *([noisy + s["note"], ""] if busy or s["note"] else []),
+        *([noisy + s["note"], ""] if noisy or s["note"] else []),
         "| arm | status | step s (median) | CPU s / step | others | peak mem MiB / rank | state MiB / rank (params + "
         "grads + AdamW) |", "|---|---|---:|---:|---:|---:|---|", *map(arm_row, arms), "",
-        "| ratio | value | target | met |", "|---|---:|---:|---|", *map(ratio_row, results["ratios"]), "",
+        *ratio_table(results["ratios"]), "",
     ])  # fmt: skip
 
 
@@ -304,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results["arms"][arm] = run_arm(args, arm)
         print(f"{arm}: {results['arms'][arm].get('step_time_s')} s/step ({time.perf_counter() - started:.0f} s)",
               flush=True)  # fmt: skip
-    results["ratios"] = ratios(results["arms"], args.world_size)
+    results["ratios"] = ratios(results["arms"], targets(args.world_size))
     seen = next((a["ranks"][0] for a in results["arms"].values() if a["status"] == "ok"), {})
     results["machine"].update({k: seen.get(k) for k in ("cuda_device", "cuda_version")}, torch_threads=args.threads)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -45,10 +45,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bench.fsdp import BUSY
 from bench.machine import ROOT, git_info, machine_info
 from bench.report import machine_line
 from bench.step import LABEL_WORDS, LORA_TARGETS, SMOLLM2_135M, cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
+from bench.targets import Target, busy_note, ratio_table, ratios
 
 SIZES: dict[str, dict[str, Any]] = {  # Llama configs; every size tied, SmolLM2's 49152-token vocabulary but tiny
     "tiny": {"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -59,17 +59,17 @@ SIZES: dict[str, dict[str, Any]] = {  # Llama configs; every size tied, SmolLM2'
 }  # fmt: skip
 ARMS = tuple(f"{kind}_{base}{ckpt}" for kind in ("dp", "non_private") for base in ("lora", "qlora")
              for ckpt in ("", "_checkpointed"))  # fmt: skip
-TARGETS = (  # name, numerator arm, denominator arm, field, target, "≤" or "≥" (None: orientation)
-    ("(a) step working memory dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_mem_mb", 0.5, "≤"),
-    ("(a) step time dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_time_s", 1.4, "≤"),
-    ("(a) CPU time per step dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_cpu_s", None, None),
-    ("(b) model resident bytes dp_lora / dp_qlora", "dp_lora", "dp_qlora", "model_bytes", 3.0, "≥"),
-    ("(b) base bytes (without the adapters) dp_lora / dp_qlora", "dp_lora", "dp_qlora", "base_bytes", None, None),
-    ("(c) step time dp_qlora / non_private_qlora", "dp_qlora", "non_private_qlora", "step_time_s", 1.2, "≤"),
-    ("(c) CPU time per step dp_qlora / non_private_qlora", "dp_qlora", "non_private_qlora", "step_cpu_s", None, None),
-    ("peak memory dp_qlora_checkpointed / dp_lora", "dp_qlora_checkpointed", "dp_lora", "peak_mem_mb", None, None),
-    ("step time dp_lora / non_private_lora", "dp_lora", "non_private_lora", "step_time_s", None, None),
-)  # fmt: skip
+TARGETS = [
+    Target("(a) step working memory dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_mem_mb", 0.5),
+    Target("(a) step time dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_time_s", 1.4),
+    Target("(a) CPU time per step dp_lora_checkpointed / dp_lora", "dp_lora_checkpointed", "dp_lora", "step_cpu_s", None),
+    Target("(b) model resident bytes dp_lora / dp_qlora", "dp_lora", "dp_qlora", "model_bytes", 3.0, "≥"),
+    Target("(b) base bytes (without the adapters) dp_lora / dp_qlora", "dp_lora", "dp_qlora", "base_bytes", None),
+    Target("(c) step time dp_qlora / non_private_qlora", "dp_qlora", "non_private_qlora", "step_time_s", 1.2),
+    Target("(c) CPU time per step dp_qlora / non_private_qlora", "dp_qlora", "non_private_qlora", "step_cpu_s", None),
+    Target("peak memory dp_qlora_checkpointed / dp_lora", "dp_qlora_checkpointed", "dp_lora", "peak_mem_mb", None),
+    Target("step time dp_lora / non_private_lora", "dp_lora", "non_private_lora", "step_time_s", None),
+]  # fmt: skip
 PRELOAD = ["torch", "transformers", "peft", "transformers.models.llama.modeling_llama", "dplit.tasks.classifier",
            "dplit.privacy.dpsgd"]  # fmt: skip
 
@@ -259,20 +259,6 @@ def process_context(device: str) -> Any:
     return context
 
 
-def ratios(arms: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each of :data:`TARGETS` from this run's arms (``None`` where an arm is missing or failed), with its verdict."""
-    out = []
-    for name, top, bottom, field, target, direction in TARGETS:
-        a, b = arms.get(top, {}).get(field), arms.get(bottom, {}).get(field)
-        value = a / b if a is not None and b else None
-        met = None if value is None or target is None else (value <= target if direction == "≤" else value >= target)
-        busy = max(arms.get(arm, {}).get("others_share") or 0 for arm in (top, bottom)) > BUSY
-        disturbed = field == "step_time_s" and busy  # wall clock beside other work: no verdict (see CPU time)
-        out.append({"name": name, "field": field, "value": value, "target": target, "direction": direction,
-                    "met": None if disturbed else met, "disturbed": disturbed})  # fmt: skip
-    return out
-
-
 def arm_row(arm: dict[str, Any]) -> str:
     """One arm's row: step and CPU time, others' CPU share, peak, after setup, step working memory, model bytes."""
     if arm["status"] != "ok":
@@ -282,21 +268,10 @@ def arm_row(arm: dict[str, Any]) -> str:
             f"{arm['model_bytes'] / 2**20:.1f} |")  # fmt: skip
 
 
-def ratio_row(ratio: dict[str, Any]) -> str:
-    """One ratio's row, with its target and whether it was met (``orientation``: no target)."""
-    value = "–" if ratio["value"] is None else f"{ratio['value']:.3f}"
-    target = "orientation" if ratio["target"] is None else f"{ratio['direction']} {ratio['target']}"
-    met = "–" if ratio["met"] is None else ("yes" if ratio["met"] else "**no**")
-    met = "disturbed: see CPU time" if ratio.get("disturbed") else met
-    return f"| {ratio['name']} | {value} | {target} | {met} |"
-
-
 def table(results: dict[str, Any]) -> str:
     """The markdown page: machine, command, settings, one row per arm, the ratios against the issue's targets."""
     s, arms = results["settings"], results["arms"].values()
-    busy = [a["others_share"] for a in arms if (a.get("others_share") or 0) > BUSY]
-    noisy = (f"**Disturbed timings**: other processes used up to {max(busy):.0%} of the CPUs while steps were timed; "
-             "the CPU time per step is the steadier measure. ") if busy else ""  # fmt: skip
+    noisy = busy_note(list(arms))
     memory = ("CUDA max allocated" if s["device"] == "cuda" else "peak RSS (getrusage, MALLOC_MMAP_THRESHOLD_=65536, "
               "reset after the warm-up)")  # fmt: skip
     return "\n".join([
@@ -308,10 +283,10 @@ def table(results: dict[str, Any]) -> str:
         f"C = {s['max_grad_norm']}, ghost clipping, one micro-batch; "
         f"{'bf16 autocast, 4-bit compute bf16' if s['device'] == 'cuda' else 'float32, 4-bit compute float32'}. "
         f"Peak: {memory}; at rest: after the warm-up steps; step = peak − at rest (the step's working memory).", "",
-        *([noisy + s["note"], ""] if busy or s["note"] else []),
+        *([noisy + s["note"], ""] if noisy or s["note"] else []),
         "| arm | status | step s (median) | CPU s / step | others | peak MiB | at rest MiB | step MiB | "
         "model MiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(arm_row, arms), "",
-        "| ratio | value | target | met |", "|---|---:|---:|---|", *map(ratio_row, results["ratios"]), "",
+        *ratio_table(results["ratios"]), "",
     ])  # fmt: skip
 
 
@@ -333,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{arm}: {results['arms'][arm].get('step_time_s')} s/step, "
                   f"{results['arms'][arm].get('step_mem_mb')} MiB step ({time.perf_counter() - started:.0f} s)",
                   flush=True)  # fmt: skip
-    results["ratios"] = ratios(results["arms"])
+    results["ratios"] = ratios(results["arms"], TARGETS)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     (args.out / "table.md").write_text(table(results))

@@ -29,10 +29,9 @@ from typing import Any
 from bench import report
 from bench.machine import child_environment, git_info, machine_info
 from bench.step import MODELS, PRECISIONS, cpu_jiffies
+from bench.targets import BUSY
 
 ROOT = Path(__file__).resolve().parent.parent
-BUSY = 0.15
-"""Share of the machine's CPUs used by other processes above which a measurement counts as disturbed."""
 DEFAULT_CONFIGS = (
     "non_private:untied",
     "non_private:tied",

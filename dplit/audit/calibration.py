@@ -1,12 +1,19 @@
 """White-box checks of the mechanism's scale: does each canary inclusion move its coordinate by C, the noise by σC?
 
 The auditor reads every canary's coordinate of the released noisy sum on every step, in units of C. For a correct
-mechanism, an included canary's reading has mean q (1 when sampled) above an excluded one's, whatever the real
-examples add at that coordinate (canaries sit on random coordinates, in or out alike); and an excluded canary's
-readings vary around their own mean by at least σ (the noise, plus whatever the real examples' gradients vary by).
-A signal of k·C per inclusion (k ≠ 1) is a mechanism that scales or divides differently from what it claims (e.g.
-by the realised batch size instead of q·N, or a gradient not clipped); a spread below σ is noise smaller than the
-accountant counts. Both are tested at :data:`CHECK_LEVEL`, so a correct run fails either only once in 10⁴ audits.
+mechanism a sampled canary adds exactly 1 to that step's reading, whatever the real examples add there; and an
+excluded canary's readings vary around their own mean by at least σ (the noise, plus whatever the real examples'
+gradients vary by). A signal of k·C per inclusion (k ≠ 1) is a mechanism that scales or divides differently from
+what it claims (e.g. by the realised batch size instead of q·N, or a gradient not clipped); a spread below σ is noise
+smaller than the accountant counts.
+
+The signal is measured where nothing else can move it. An included canary moves its own weight, and the real
+examples' gradients at that coordinate may then push back, so included and excluded canaries drift apart over a
+run: comparing their means would fail correct runs. With Poisson sampling the signal is the within-canary contrast
+of the steps that sampled an included canary against those that did not (the draw is independent of everything
+else at that step, so the contrast is exactly 1 for a correct mechanism; each canary's own level cancels); in full
+batches, where every step samples it, it is the first step's included − excluded difference, read before any
+update. Each check errs on a correct run with probability :data:`CHECK_LEVEL` (both together at most twice that).
 """
 
 from __future__ import annotations
@@ -40,25 +47,40 @@ class ScaleCheck:
                 f"a correct mechanism gives {self.meaning}): {verdict}")  # fmt: skip
 
 
-def signal_check(reading_sums: Tensor, included: Tensor, *, steps: int, sample_rate: float) -> ScaleCheck:
-    """Each inclusion's effect on its coordinate, in units of C: (mean reading in − out) / q, expected 1.
+def _signal(name: str, estimate: float, error: float) -> ScaleCheck:
+    """A two-sided check that the signal per inclusion is 1, from an estimate and its standard error."""
+    half = float(stats.norm.isf(CHECK_LEVEL / 2)) * error
+    return ScaleCheck(name, estimate, estimate - half, estimate + half, 1.0, estimate - half <= 1 <= estimate + half, "1")
 
-    The interval is Welch's, over canaries (each canary's mean reading over the steps is one draw), so the real
-    examples' gradients at a coordinate, however correlated across steps, only widen it.
+
+def first_step_signal(first: Tensor, included: Tensor, *, sample_rate: float) -> ScaleCheck:
+    """(mean first reading of included − excluded canaries) / q: 1 before any update (Welch's interval)."""
+    inside, outside = first[included].double(), first[~included].double()
+    estimate = float(inside.mean() - outside.mean()) / sample_rate
+    error = math.sqrt(float(inside.var()) / inside.numel() + float(outside.var()) / outside.numel()) / sample_rate
+    return _signal("signal per inclusion, first step (× C)", estimate, error)
+
+
+def sampled_contrast_signal(
+    reading_sums: Tensor, reading_squares: Tensor, sampled_sums: Tensor, sampled_counts: Tensor, *, steps: int
+) -> ScaleCheck:
+    """Included canaries' readings on the steps that sampled them minus the steps that did not: 1 per inclusion.
+
+    A regression on the sampled indicator with one level per canary: Σ_j (S_j − c_j·R_j/T) / Σ_j c_j(T − c_j)/T
+    (R_j: canary j's readings summed, S_j: over its c_j sampled steps), its error from the pooled within-canary
+    variance.
 
     Args:
-        reading_sums: each canary's readings summed over the steps [m].
-        included: whether each canary was in the run [m] (bool).
-        steps: T, the readings per canary.
-        sample_rate: q.
+        reading_sums: each included canary's readings summed over the steps [n].
+        reading_squares: their squares summed [n].
+        sampled_sums: the readings summed over the steps that sampled the canary [n].
+        sampled_counts: how many steps sampled it [n].
+        steps: T.
     """
-    means = reading_sums.double() / steps  # [m]
-    inside, outside = means[included], means[~included]
-    difference = float(inside.mean() - outside.mean()) / sample_rate
-    error = math.sqrt(float(inside.var()) / inside.numel() + float(outside.var()) / outside.numel()) / sample_rate
-    half = float(stats.norm.isf(CHECK_LEVEL / 2)) * error
-    low, high = difference - half, difference + half
-    return ScaleCheck("signal per inclusion (× C)", difference, low, high, 1.0, low <= 1.0 <= high, "1")
+    spread = sampled_counts * (steps - sampled_counts) / steps  # [n]
+    estimate = float((sampled_sums - sampled_counts * reading_sums / steps).sum() / spread.sum())
+    pooled = float((reading_squares - reading_sums**2 / steps).sum()) / (reading_sums.numel() * (steps - 1))
+    return _signal("signal per inclusion, sampled − unsampled steps (× C)", estimate, math.sqrt(pooled / float(spread.sum())))
 
 
 def noise_check(
@@ -87,13 +109,23 @@ def noise_check(
 
 
 def scale_checks(
-    reading_sums: Tensor, reading_squares: Tensor, included: Tensor, *, steps: int, sample_rate: float,
-    noise_multiplier: float,
+    first: Tensor | None, reading_sums: Tensor, reading_squares: Tensor, sampled_sums: Tensor, sampled_counts: Tensor,
+    included: Tensor, *, steps: int, sample_rate: float, noise_multiplier: float,
 ) -> list[ScaleCheck]:  # fmt: skip
-    """The checks that apply: the signal always (with canaries in and out), the noise when σ > 0 and T ≥ 2."""
-    if included.all() or not included.any() or steps < 1:
+    """The checks the run's readings allow: the signal (with 2 canaries in and 2 out at least), the noise (σ > 0).
+
+    The sampled contrast needs the draws (known where the canaries were added, rank 0) and steps that sampled and
+    that skipped the canaries; otherwise the first step's difference serves.
+    """
+    inside = int(included.sum())
+    if first is None or steps < 1 or min(inside, included.numel() - inside) < 2:
         return []
-    checks = [signal_check(reading_sums, included, steps=steps, sample_rate=sample_rate)]
+    counts = sampled_counts[included]
+    if sample_rate < 1 and steps >= 2 and float((counts * (steps - counts)).sum()) > 0:
+        checks = [sampled_contrast_signal(reading_sums[included], reading_squares[included], sampled_sums[included],
+                                          counts, steps=steps)]  # fmt: skip
+    else:
+        checks = [first_step_signal(first, included, sample_rate=sample_rate)]
     if noise_multiplier > 0 and steps >= 2:
         checks.append(noise_check(reading_sums, reading_squares, included, steps=steps,
                                   noise_multiplier=noise_multiplier))  # fmt: skip

@@ -47,8 +47,9 @@ class GradientCanaries:
     An included canary takes part in DP-SGD exactly as one more example whose clipped gradient is that direction:
     Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor reads the
     released noisy sum at every canary's coordinate on every step (all iterates), in units of C: the score is the
-    sum of the steps' log-likelihood ratios (:func:`white_box_step_score`), and the sums of the readings and of
-    their squares feed the audit's checks of the mechanism's scale (:mod:`dplit.audit.calibration`).
+    sum of the steps' log-likelihood ratios (:func:`white_box_step_score`); the first step's readings, the sums of
+    the readings, of their squares and of those taken when the canary was sampled feed the audit's checks of the
+    mechanism's scale (:mod:`dplit.audit.calibration`).
 
     Args:
         coordinates: the flat gradient index of each canary [m] (distinct).
@@ -63,8 +64,12 @@ class GradientCanaries:
         self.scores = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.reading_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.reading_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.first_readings: Tensor | None = None
+        self.sampled_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.sampled_counts = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.steps = 0
         self.sampled_last_step = 0
+        self._drawn: Tensor | None = None
 
     @classmethod
     def place(cls, count: int, *, size: int, norm: float, generator: torch.Generator) -> GradientCanaries:
@@ -77,7 +82,8 @@ class GradientCanaries:
     def add_sampled(self, gradient_sum: Tensor, *, sample_rate: float, generator: torch.Generator) -> int:
         """Add C at the coordinate of every included canary that this step's Poisson draw samples; return how many."""
         drawn = torch.rand(self.included.shape[0], generator=generator, dtype=torch.float64) < sample_rate  # [m]
-        sampled = self.coordinates[drawn & self.included]
+        self._drawn = drawn & self.included
+        sampled = self.coordinates[self._drawn]
         gradient_sum[sampled.to(gradient_sum.device)] += self.norm
         self.sampled_last_step = int(sampled.numel())
         return self.sampled_last_step
@@ -95,6 +101,12 @@ class GradientCanaries:
         self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
         self.reading_sums += reading
         self.reading_squares += reading**2
+        if self.first_readings is None:
+            self.first_readings = reading
+        if self._drawn is not None:  # where the canaries were added (rank 0): which readings carry one
+            self.sampled_sums += torch.where(self._drawn, reading, 0.0)
+            self.sampled_counts += self._drawn.double()
+            self._drawn = None
         self.steps += 1
 
 

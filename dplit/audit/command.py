@@ -8,6 +8,7 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
@@ -18,7 +19,8 @@ from typing_extensions import override
 from dplit.audit.bound import AuditBound, audit_bound
 from dplit.audit.calibration import ScaleCheck, scale_checks
 from dplit.audit.canaries import InputCanaries
-from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound
+from dplit.audit.claimed_curve import claimed_least_probability
+from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound, refutes
 from dplit.audit.simulation import GuessPlan, plan_guesses
 from dplit.audit.strategy import CanaryDPStrategy
 from dplit.cli.config_checks import check_gguf_files, check_privacy_choice, strategy_class
@@ -156,15 +158,16 @@ FAILED = (
 
 
 def failures(report: dict[str, Any]) -> list[str]:
-    """Why the audit fails: ε̂ above the claim, and every white-box scale check that failed (none: it passes)."""
-    reasons = (
-        [
-            f"the measured lower bound ε ≥ {report['epsilon_lower_bound']:.3f} exceeds the claimed ε = "
-            f"{report['claimed_epsilon']:.3f} at {100 * report['confidence']:g}% confidence"
-        ]
-        if report["violation"]
-        else []
-    )
+    """Why the audit fails: the claim refuted, and every white-box scale check that failed (none: it passes)."""
+    percent = f"{100 * report['confidence']:g}%"
+    if not report["violation"]:
+        reasons = []
+    elif report["analysis"] == "fdp":
+        reasons = [f"the canary guesses refute the claimed mechanism's trade-off curve at {percent} confidence "
+                   f"(ε ≥ {report['epsilon_lower_bound']:.3f} as μ-GDP, claimed ε = {report['claimed_epsilon']:.3f})"]
+    else:
+        reasons = [f"the measured lower bound ε ≥ {report['epsilon_lower_bound']:.3f} exceeds the claimed ε = "
+                   f"{report['claimed_epsilon']:.3f} at {percent} confidence"]  # fmt: skip
     failed = [check["line"] for check in report["checks"] if not check["passed"]]
     if failed:
         reasons.append("the released sums do not scale as the claimed mechanism's do (" + "; ".join(failed) + ")")
@@ -180,9 +183,11 @@ def verdict(report: dict[str, Any]) -> list[str]:
         f"empirical ε ≥ {report['epsilon_lower_bound']:.3f} at {100 * report['confidence']:g}% confidence "
         f"({report['analysis']}; claimed ε = {shown}; {report['mode']}, m = {report['canaries']}, "
         f"{report['steps']} steps)",
-        f"f-DP: μ ≥ {fdp['mu']:.3f} (ε ≥ {fdp['epsilon']:.3f} at δ = {report['delta']:.3g}); a correct run is expected "
-        f"to show μ ≈ {plan['expected_mu']:.3f} (ε ≈ {plan['expected_epsilon']:.3f}); these guesses could show at "
-        f"most μ = {plan['ceiling_mu']:.3f} (ε = {plan['ceiling_epsilon']:.3f}); (ε, δ) analysis: "
+        f"f-DP: μ ≥ {fdp['mu']:.3f} (ε ≥ {fdp['epsilon']:.3f} at δ = {report['delta']:.3g}); the claimed mechanism's "
+        f"own curve {'IS' if report['claimed_curve_refuted'] else 'is not'} refuted; a correct run is expected to show "
+        f"μ ≈ {plan['expected_mu']:.3f} (ε ≈ {plan['expected_epsilon']:.3f}"
+        f"{', to a white-box auditor' if report['mode'] == 'black_box' else ''}); these guesses could show at most "
+        f"μ = {plan['ceiling_mu']:.3f} (ε = {plan['ceiling_epsilon']:.3f}); (ε, δ) analysis: "
         f"ε ≥ {report['eps_delta']['epsilon']:.3f}",
     ]
     return lines + [check["line"] for check in report["checks"]]
@@ -203,8 +208,9 @@ def run_audit(
         canaries = strategy.canaries
         scores, included = canaries.scores, canaries.included
         checks = scale_checks(
-            canaries.reading_sums, canaries.reading_squares, included, steps=canaries.steps,
-            sample_rate=float(strategy.dpsgd.sample_rate or 1.0), noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
+            canaries.first_readings, canaries.reading_sums, canaries.reading_squares, canaries.sampled_sums,
+            canaries.sampled_counts, included, steps=canaries.steps, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
+            noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
         )  # fmt: skip
     else:
         canaries = _input_canaries(data, settings, lm=lm)
@@ -221,7 +227,7 @@ def run_audit(
                     confidence=settings.confidence)  # fmt: skip
     eps_delta = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
     report = _report(strategy, settings, fdp=fdp, eps_delta=eps_delta, plan=plan, checks=checks,
-                     included=int(included.sum()))  # fmt: skip
+                     included=int(included.sum()), claim_refuted=_claim_refuted(strategy, fdp, settings))  # fmt: skip
     _record(trainer, report)
     return report
 
@@ -233,8 +239,22 @@ def _plan(strategy: DPStrategy, settings: AuditSettings) -> GuessPlan:
     return plan_guesses(
         canaries=settings.canaries, noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
         sample_rate=float(strategy.dpsgd.sample_rate or 1.0), steps=accountant.steps, delta=accountant.delta,
-        confidence=settings.confidence, seed=settings.seed,
+        confidence=settings.confidence,
     )  # fmt: skip
+
+
+def _claim_refuted(strategy: DPStrategy, fdp: GdpBound, settings: AuditSettings) -> bool:
+    """Whether the f-DP guesses refute the claimed mechanism's own curve (σ, q, T) at the stated confidence."""
+    sigma = strategy.dpsgd.gradient_noise_multiplier
+    accountant = strategy.accountant
+    assert accountant is not None
+    if sigma <= 0:  # no noise: nothing is claimed
+        return False
+    curve = claimed_least_probability(noise_multiplier=sigma, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
+                                      steps=accountant.steps)  # fmt: skip
+    refuted = refutes(curve, canaries=settings.canaries, guesses=np.array([fdp.k_plus + fdp.k_minus]),
+                      correct=np.array([fdp.correct]), level=1 - settings.confidence)  # fmt: skip
+    return bool(refuted[0])
 
 
 class PowerCheck(Callback):
@@ -290,7 +310,7 @@ def _with_canaries(data: Any, canaries: InputCanaries) -> DataLoader:
 
 def _report(
     strategy: DPStrategy, settings: AuditSettings, *, fdp: GdpBound, eps_delta: AuditBound, plan: GuessPlan,
-    checks: list[ScaleCheck], included: int,
+    checks: list[ScaleCheck], included: int, claim_refuted: bool,
 ) -> dict[str, Any]:  # fmt: skip
     accountant = strategy.accountant
     assert accountant is not None
@@ -305,7 +325,10 @@ def _report(
         "claimed_epsilon": claimed if math.isfinite(claimed) else None,
         "delta": accountant.delta,
         "confidence": settings.confidence,
-        "violation": headline > claimed,
+        "violation": claim_refuted if settings.analysis == "fdp" else headline > claimed,
+        "claimed_curve_refuted": claim_refuted,
+        "claimed_curve": "exact G_μ, μ = √T/σ" if sample_rate >= 1 else "dp-accounting PLD of the Poisson-subsampled "
+        "Gaussian (σ, q, T), pessimistic, read from below",
         "mode": settings.mode,
         "canaries": settings.canaries,
         "canaries_included": included,

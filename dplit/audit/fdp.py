@@ -14,7 +14,9 @@ curve of full-batch DP-SGD as the white-box auditor sees it, the GDP reading of 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,29 +41,33 @@ def gdp_least_probability(probability: np.ndarray, mu: np.ndarray) -> np.ndarray
     return special.ndtr(special.ndtri(np.clip(probability, 0.0, 1.0)) - mu)
 
 
-def refutes(mu: np.ndarray, *, canaries: int, guesses: np.ndarray, correct: np.ndarray, level: float) -> np.ndarray:
-    """Whether ``correct`` of ``guesses`` right refutes μ-GDP at p-value ``level`` (elementwise over broadcast lanes).
+LeastProbability = Callable[[np.ndarray], np.ndarray]
+"""A trade-off curve f read as x ↦ f(1 − x): the least probability under one neighbour of an event of probability x
+under the other (elementwise)."""
+
+
+def refutes(
+    least_probability: LeastProbability, *, canaries: int, guesses: np.ndarray, correct: np.ndarray, level: float
+) -> np.ndarray:
+    """Whether ``correct`` of ``guesses`` right refutes the curve at p-value ``level`` (elementwise over lanes).
 
     The recursion of Mahloujifar et al.: start from the mass the claim "≥ v right with probability ≥ τ" puts on
     v right and r − v wrong guesses (τ·v/m and τ·(r − v)/m), walk down to 0 right guesses, each step raising the wrong
-    mass to what the trade-off curve forces and the right mass with it; the claim is impossible, and μ refuted, when
-    the total exceeds r/m, the probability that any one canary is guessed on.
+    mass to what the trade-off curve forces and the right mass with it; the claim is impossible, and the curve
+    refuted, when the total exceeds r/m, the probability that any one canary is guessed on.
 
     Args:
-        mu: the μ of each lane.
+        least_probability: the curve, applied to arrays of the lanes' shape.
         canaries: m.
         guesses: r of each lane (0 < r ≤ m).
-        correct: v of each lane (0 ≤ v ≤ r).
+        correct: v of each lane (0 ≤ v ≤ r), of the same shape.
         level: τ, e.g. 0.05 for 95% confidence.
     """
-    mu, guesses, correct = np.broadcast_arrays(
-        np.asarray(mu, dtype=np.float64), np.asarray(guesses, dtype=np.int64), np.asarray(correct, dtype=np.int64)
-    )
     available = guesses / canaries  # r/m
-    right, wrong = np.zeros(mu.shape), np.zeros(mu.shape)  # the recursion's r_i and h_i
+    right, wrong = np.zeros(guesses.shape), np.zeros(guesses.shape)  # the recursion's r_i and h_i
     for step in range(int(correct.max(initial=0)), -1, -1):
         walking = correct > step
-        forced = np.maximum(wrong, gdp_least_probability(right, mu))
+        forced = np.maximum(wrong, least_probability(right))
         right = np.where(walking, right + step / np.maximum(guesses - step, 1) * (forced - wrong), right)
         wrong = np.where(walking, forced, wrong)
         starting = correct == step
@@ -84,7 +90,10 @@ def mu_lower_bound(*, canaries: int, guesses: np.ndarray, correct: np.ndarray, l
     for _ in range(GRID_PASSES):
         fractions = np.linspace(0.0, 1.0, GRID_POINTS)  # [G]
         mus = low[..., None] + (high - low)[..., None] * fractions  # [..., G]
-        refuted = refutes(mus, canaries=canaries, guesses=guesses[..., None], correct=correct[..., None], level=level)
+        refuted = refutes(
+            functools.partial(gdp_least_probability, mu=mus), canaries=canaries, level=level,
+            guesses=np.broadcast_to(guesses[..., None], mus.shape), correct=np.broadcast_to(correct[..., None], mus.shape),
+        )  # fmt: skip
         last = GRID_POINTS - 1 - np.argmax(refuted[..., ::-1], axis=-1)  # [...]: the largest refuted grid index
         none = ~refuted.any(axis=-1)
         chosen = np.take_along_axis(mus, last[..., None], axis=-1)[..., 0]

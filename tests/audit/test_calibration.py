@@ -2,54 +2,92 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from dplit.audit.calibration import noise_check, scale_checks, signal_check
+from dplit.audit.calibration import first_step_signal, noise_check, scale_checks
 
 
 def readings(*, canaries: int = 2000, steps: int = 20, sample_rate: float = 0.5, sigma: float = 2.0,
-             signal: float = 1.0, noise: float = 1.0, data_std: float = 0.0, seed: int = 0):  # fmt: skip
+             signal: float = 1.0, noise: float = 1.0, data_std: float = 0.0, feedback: float = 0.0,
+             seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
     """Readings (in units of C) of a mechanism adding ``signal`` per inclusion and ``noise``·σ noise.
 
-    The real examples add a level of their own at each coordinate that drifts over the steps with std ``data_std``.
+    The real examples add a level of their own at each coordinate that drifts over the steps with std ``data_std``,
+    and push back on the weight's displacement: the update moves the weight by minus the reading, and the data's
+    gradient there is ``feedback`` times the displacement (so included canaries drift apart from excluded ones).
     """
     generator = torch.Generator().manual_seed(seed)
     included = torch.rand(canaries, generator=generator) < 0.5  # [m]
-    sampled = included & (torch.rand(steps, canaries, generator=generator) < sample_rate)  # [T, m]
-    base = torch.randn(canaries, generator=generator, dtype=torch.float64) * 0.3  # [m]: a coordinate's own level
-    drift = torch.randn(steps, canaries, generator=generator, dtype=torch.float64) * data_std  # [T, m]
-    noisy = torch.randn(steps, canaries, generator=generator, dtype=torch.float64) * sigma * noise  # [T, m]
-    values = signal * sampled.double() + base + drift + noisy  # [T, m]
-    return values.sum(0), (values**2).sum(0), included
+    level = torch.randn(canaries, generator=generator, dtype=torch.float64) * 0.3  # [m]: a coordinate's own level
+    weight = torch.zeros(canaries, dtype=torch.float64)  # [m]: displacement from the start
+    totals = {key: torch.zeros(canaries, dtype=torch.float64) for key in ("sums", "squares", "sampled_sums", "counts")}
+    first = None
+    for _ in range(steps):
+        sampled = included & (torch.rand(canaries, generator=generator) < sample_rate)  # [m]
+        drift = torch.randn(canaries, generator=generator, dtype=torch.float64) * data_std  # [m]
+        noisy = torch.randn(canaries, generator=generator, dtype=torch.float64) * sigma * noise  # [m]
+        reading = signal * sampled.double() + level + drift + feedback * weight + noisy  # [m]
+        weight -= reading
+        first = reading if first is None else first
+        totals["sums"] += reading
+        totals["squares"] += reading**2
+        totals["sampled_sums"] += torch.where(sampled, reading, 0.0)
+        totals["counts"] += sampled.double()
+    return {"first": first, **totals, "included": included}
+
+
+def checks(data: dict[str, torch.Tensor], *, steps: int = 20, sample_rate: float = 0.5, sigma: float = 2.0) -> list:
+    return scale_checks(data["first"], data["sums"], data["squares"], data["sampled_sums"], data["counts"],
+                        data["included"], steps=steps, sample_rate=sample_rate, noise_multiplier=sigma)  # fmt: skip
 
 
 def test_a_correct_mechanism_passes_both_checks_even_with_the_data_moving_the_coordinates() -> None:
-    sums, squares, included = readings(data_std=0.5)
-    checks = scale_checks(sums, squares, included, steps=20, sample_rate=0.5, noise_multiplier=2.0)
-    assert [check.passed for check in checks] == [True, True]
-    assert abs(checks[0].measured - 1) < 0.2 and checks[1].measured >= 1
+    data = readings(data_std=0.5)
+    signal, noise = checks(data)
+    assert signal.passed and noise.passed and "sampled − unsampled" in signal.name
+    assert abs(signal.measured - 1) < 0.2 and noise.measured >= 1
 
 
-def test_a_signal_scaled_by_the_realised_batch_fails_the_signal_check() -> None:
-    sums, squares, included = readings(signal=64 / 564, noise=64 / 564)
-    check = signal_check(sums, included, steps=20, sample_rate=0.5)
-    assert not check.passed and check.high < 0.5 and "FAILED" in check.line()
+@pytest.mark.parametrize("sample_rate", [0.3, 1.0])
+def test_feedback_from_the_data_does_not_fail_a_correct_mechanism(sample_rate: float) -> None:
+    """Data pushing the canaries' weights back does not fail a correct mechanism's signal check.
+
+    Included canaries' mean reading over the run falls well below the excluded ones' + q, yet the signal checks
+    (sampled contrast, first step) see exactly 1 per inclusion.
+    """
+    data = readings(canaries=10_000, steps=40, sample_rate=sample_rate, sigma=1.0, feedback=0.05)
+    inside, outside = data["included"], ~data["included"]
+    drifted = float(data["sums"][inside].mean() - data["sums"][outside].mean()) / 40 / sample_rate
+    assert drifted < 0.9  # comparing whole-run means would fail this correct mechanism
+    signal, noise = checks(data, steps=40, sample_rate=sample_rate, sigma=1.0)
+    assert signal.passed and noise.passed, (signal.line(), noise.line())
 
 
-def test_an_unclipped_canary_fails_the_signal_check() -> None:
-    sums, _, included = readings(signal=10.0)
-    assert not signal_check(sums, included, steps=20, sample_rate=0.5).passed
+def test_a_signal_scaled_by_the_realised_batch_fails_both_checks() -> None:
+    signal, noise = checks(readings(signal=64 / 564, noise=64 / 564))
+    assert not signal.passed and signal.high < 0.5 and "FAILED" in signal.line()
+    assert not noise.passed
+
+
+def test_an_unclipped_canary_fails_the_signal_check_in_full_batches_too() -> None:
+    data = readings(signal=10.0, sample_rate=1.0)
+    assert not first_step_signal(data["first"], data["included"], sample_rate=1.0).passed
+    assert not checks(readings(signal=10.0))[0].passed
 
 
 def test_half_the_noise_fails_the_noise_check() -> None:
-    sums, squares, included = readings(noise=0.5)
-    check = noise_check(sums, squares, included, steps=20, noise_multiplier=2.0)
+    data = readings(noise=0.5)
+    check = noise_check(data["sums"], data["squares"], data["included"], steps=20, noise_multiplier=2.0)
     assert not check.passed and 0.45 < check.measured < 0.55
 
 
-def test_no_noise_or_one_step_skips_the_noise_check_and_one_sided_membership_skips_both() -> None:
-    sums, squares, included = readings()
-    assert len(scale_checks(sums, squares, included, steps=20, sample_rate=0.5, noise_multiplier=0.0)) == 1
-    assert len(scale_checks(sums, squares, included, steps=1, sample_rate=0.5, noise_multiplier=2.0)) == 1
-    everyone = torch.ones_like(included)
-    assert scale_checks(sums, squares, everyone, steps=20, sample_rate=0.5, noise_multiplier=2.0) == []
+def test_without_noise_draws_or_enough_canaries_fewer_checks_run() -> None:
+    data = readings()
+    assert len(checks(data, sigma=0.0)) == 1  # no noise claimed: the signal only
+    [signal] = checks(data, steps=1)  # one step: the first-step difference, no noise spread
+    assert "first step" in signal.name
+    unknown = {**data, "counts": torch.zeros_like(data["counts"])}  # not rank 0: the draws are unknown
+    assert "first step" in checks(unknown)[0].name
+    one_out = {**data, "included": torch.ones_like(data["included"]).index_fill_(0, torch.tensor([0]), False)}
+    assert checks(one_out) == []  # a single excluded canary has no spread: no check rather than NaN

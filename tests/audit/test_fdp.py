@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -11,7 +12,15 @@ from dp_accounting.pld import privacy_loss_distribution
 from scipy import integrate, stats
 
 from dplit.audit.bound import correct_guesses, epsilon_lower_bound
-from dplit.audit.fdp import dpsgd_mu, gdp_bound, gdp_delta, gdp_epsilon, mu_lower_bound, refutes
+from dplit.audit.fdp import (
+    dpsgd_mu,
+    gdp_bound,
+    gdp_delta,
+    gdp_epsilon,
+    gdp_least_probability,
+    mu_lower_bound,
+    refutes,
+)  # fmt: skip
 from dplit.audit.simulation import plan_counts, plan_guesses, simulate_white_box
 
 
@@ -35,7 +44,10 @@ def test_one_guess_on_one_canary_refutes_exactly_the_mu_whose_best_accuracy_is_b
 
 def test_refuted_mu_form_an_interval_from_zero() -> None:
     mus = np.linspace(0, 3, 61)
-    refuted = refutes(mus, canaries=1000, guesses=np.array(200), correct=np.array(180), level=0.05)
+    refuted = refutes(
+        functools.partial(gdp_least_probability, mu=mus), canaries=1000, level=0.05,
+        guesses=np.full(mus.shape, 200), correct=np.full(mus.shape, 180),
+    )  # fmt: skip
     assert refuted[0] and not refuted[-1]
     assert (np.diff(refuted.astype(int)) <= 0).all()  # once consistent, consistent for every larger μ
 

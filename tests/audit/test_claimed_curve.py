@@ -1,0 +1,47 @@
+"""The claimed mechanism's own curve: exact G_μ in full batches, dp-accounting's PLD (from below) with sampling."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from dplit.audit.bound import correct_guesses
+from dplit.audit.claimed_curve import claimed_least_probability, tabulated_tradeoff
+from dplit.audit.fdp import gdp_least_probability, refutes
+from dplit.audit.simulation import simulate_white_box
+
+POINTS = np.array([1e-6, 1e-3, 0.01, 0.1, 0.3, 0.5, 0.9, 0.99])
+
+
+def test_the_pld_curve_of_unsampled_steps_is_the_exact_gaussian_curve_from_below() -> None:
+    """Q → 1 through the PLD path: within 0.3% of Φ(Φ⁻¹(x) − √T/σ) and never above it (never overstates the claim)."""
+    pld = claimed_least_probability(noise_multiplier=3.0, sample_rate=1 - 1e-9, steps=20)(POINTS)
+    exact = gdp_least_probability(POINTS, math.sqrt(20) / 3.0)
+    assert (pld <= exact + 1e-12).all()
+    assert np.allclose(pld[1:], exact[1:], rtol=3e-3)
+    assert claimed_least_probability(noise_multiplier=3.0, sample_rate=1.0, steps=20)(POINTS).tolist() == exact.tolist()
+
+
+def test_the_tabulated_tradeoff_is_a_trade_off_function() -> None:
+    alphas, tradeoff = tabulated_tradeoff(noise_multiplier=0.8, sample_rate=0.05, steps=30)
+    assert alphas[0] == 0 and alphas[-1] == 1 and tradeoff[-1] == 0
+    assert (np.diff(tradeoff) <= 1e-15).all()  # decreasing
+    assert (tradeoff <= 1 - alphas + 1e-12).all()  # below the curve of perfect privacy
+
+
+def guesses_refute(curve, sigma: float, *, k_plus: int, k_minus: int, seed: int) -> bool:
+    """One simulated audit (m = 1000, q = 0.1, 30 steps) of a mechanism of noise ``sigma``: is ``curve`` refuted?"""
+    scores, included = simulate_white_box(canaries=1000, noise_multiplier=sigma, sample_rate=0.1, steps=30,
+                                          generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    right = correct_guesses(scores, included, k_plus=k_plus, k_minus=k_minus)
+    guesses = np.array([k_plus + k_minus])
+    return bool(refutes(curve, canaries=1000, guesses=guesses, correct=np.array([right]), level=0.05)[0])
+
+
+def test_a_correct_sampled_mechanism_is_not_refuted_and_a_nearly_noiseless_one_is() -> None:
+    curve = claimed_least_probability(noise_multiplier=0.8, sample_rate=0.1, steps=30)
+    for k_plus, k_minus in ((200, 200), (400, 0)):
+        assert not any(guesses_refute(curve, 0.8, k_plus=k_plus, k_minus=k_minus, seed=seed) for seed in range(10))
+    assert all(guesses_refute(curve, 0.05, k_plus=400, k_minus=0, seed=seed) for seed in range(3))
