@@ -27,7 +27,7 @@ from dplit.privacy.dpsgd import DPSGD, clipping_engine
 from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.noise import NoiseSource
-from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
 from dplit.strategy_checks import check_module, check_trainer
@@ -46,6 +46,9 @@ class DPSGDHooks:
     Args:
         **kwargs: passed to the Lightning strategy (e.g. DDP's ``process_group_backend``, ``start_method``).
     """
+
+    flag_owner = FLAG_OWNER
+    """The class name a refusal of this strategy's flags names."""
 
     def __init__(
         self,
@@ -76,7 +79,7 @@ class DPSGDHooks:
             automatic_stability=automatic_stability, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
             max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
-            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics,
+            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics, flag_owner=self.flag_owner,
         )  # fmt: skip
         self.noise_source = NoiseSource(seed=seed)
         self._dpsgd: DPSGD | None = None

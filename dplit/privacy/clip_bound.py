@@ -30,11 +30,14 @@ class QuantileClipBound:
         target_quantile: γ in (0, 1): the share of examples meant to be left unclipped.
         learning_rate: η > 0, the geometric step of the update.
         count_noise_multiplier: σ_b > 0, the standard deviation of the count's noise (in examples).
+        flag_owner: the strategy whose flags a refusal names.
     """
 
     def __init__(
-        self, *, initial: float, target_quantile: float, learning_rate: float, count_noise_multiplier: float
-    ) -> None:
+        self, *, initial: float, target_quantile: float, learning_rate: float, count_noise_multiplier: float,
+        flag_owner: str = FLAG_OWNER,
+    ) -> None:  # fmt: skip
+        self.flag_owner = flag_owner
         self.bound = float(initial)
         self.target_quantile = target_quantile
         self.learning_rate = learning_rate
@@ -58,7 +61,7 @@ class QuantileClipBound:
         remaining = noise_multiplier**-2 - (2 * self.count_noise_multiplier) ** -2
         if remaining <= 0:
             raise ValueError(
-                f"{FLAG_OWNER}.count_noise_multiplier={self.count_noise_multiplier:g} is too small for σ="
+                f"{self.flag_owner}.count_noise_multiplier={self.count_noise_multiplier:g} is too small for σ="
                 f"{noise_multiplier:.4g}: the count alone would spend the budget (need 2σ_b > σ); raise it"
             )
         return remaining**-0.5

@@ -252,7 +252,7 @@ class DPSGD:
             f"steps so far {self._ledger.steps}, noise {self.noise_source.describe()}"
         )
         if self._noise_multiplier == 0:
-            self._warn(NO_NOISE_WARNING)
+            self._warn(NO_NOISE_WARNING.replace(FLAG_OWNER, self.settings.flag_owner, 1))
         self._steps_at_start = self._budget_steps = self._ledger.steps
         self._started_at = time.perf_counter()
         self._refresh_epsilon()
@@ -307,7 +307,7 @@ class DPSGD:
         if not self._within_budget(upcoming):  # only reachable when a trainer forces steps past the stop
             raise ValueError(
                 f"trainer.min_steps / trainer.min_epochs forced DP step {upcoming}, which would spend "
-                f"ε={self.epsilon_after(1):.4f} > {FLAG_OWNER}.target_epsilon={self.settings.target_epsilon}: "
+                f"ε={self.epsilon_after(1):.4f} > {self.settings.flag_owner}.target_epsilon={self.settings.target_epsilon}: "
                 "stopped before it"
             )
         self._noisy_sum(stop=self.world.rank == 0 and not self._within_budget(upcoming + 1))
@@ -441,6 +441,7 @@ class DPSGD:
             target_quantile=settings.target_quantile or TARGET_QUANTILE,
             learning_rate=settings.clip_learning_rate or CLIP_LEARNING_RATE,
             count_noise_multiplier=settings.count_noise_multiplier or COUNT_NOISE_SHARE * self.expected_batch_size,
+            flag_owner=settings.flag_owner,
         )
         self._clip_bound.load_state_dict(self._restored_clip_bound)
         self.engine.set_max_grad_norm(self._clip_bound.bound)
@@ -547,7 +548,7 @@ class DPSGD:
         """Say in one line that this run continues the weights' privacy history, and warn if they are not DP."""
         history, accountant = self.history, self._accountant()
         if history.dp_steps:
-            bound = f", and {FLAG_OWNER}.target_epsilon bounds the total" if self.settings.target_epsilon else ""
+            bound = f", and {self.settings.flag_owner}.target_epsilon bounds the total" if self.settings.target_epsilon else ""
             origin = "a resumed checkpoint" if resumed else "earlier training"
             self._say(
                 f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={accountant.epsilon():.4g} "
@@ -563,14 +564,14 @@ class DPSGD:
     def _calibrate(self, delta: float) -> float:
         """σ for which the weights' history plus this run's remaining planned steps spend ``target_epsilon``."""
         if not math.isfinite(self._planned_steps):
-            raise ValueError(f"{FLAG_OWNER}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
+            raise ValueError(f"{self.settings.flag_owner}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
         target, rate = self.settings.target_epsilon, self._sample_rate
         assert target is not None and rate is not None
         prior = self.history.accountant_history()
         spent = self._accountant().epsilon() if prior else 0.0
         if prior and spent >= target:
             raise ValueError(
-                f"{FLAG_OWNER}.target_epsilon={target:g} is already spent: these weights' privacy history counts "
+                f"{self.settings.flag_owner}.target_epsilon={target:g} is already spent: these weights' privacy history counts "
                 f"{self.history.dp_steps} DP steps at ε={spent:.4g}; raise target_epsilon (it bounds the "
                 "weights' total) or start from weights that never saw the data"
             )
@@ -601,19 +602,19 @@ class DPSGD:
         if delta < 1 / size:
             return
         message = (
-            f"{FLAG_OWNER}.target_delta={delta:.3g} is ≥ 1/N = {1 / size:.3g} for N={size} training "
+            f"{self.settings.flag_owner}.target_delta={delta:.3g} is ≥ 1/N = {1 / size:.3g} for N={size} training "
             "examples: a δ that large permits releasing whole examples"
         )
         if not self.settings.allow_large_delta:
-            raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set {FLAG_OWNER}.allow_large_delta=true")
-        self._warn(f"{message} (allowed by {FLAG_OWNER}.allow_large_delta)")
+            raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set {self.settings.flag_owner}.allow_large_delta=true")
+        self._warn(f"{message} (allowed by {self.settings.flag_owner}.allow_large_delta)")
 
     def _check_users_fit_a_micro_batch(self) -> None:
         """Refuse micro-batches smaller than k: a user's rows are clipped together, in one micro-batch."""
         level, size = self._user_level, self.settings.max_physical_batch_size
         if level is not None and size < level.max_rows_per_user:
             raise ValueError(
-                f"{FLAG_OWNER}.max_physical_batch_size={size} is below data.max_rows_per_user="
+                f"{self.settings.flag_owner}.max_physical_batch_size={size} is below data.max_rows_per_user="
                 f"{level.max_rows_per_user}: a user's rows are clipped together in one micro-batch"
             )
 

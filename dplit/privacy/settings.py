@@ -85,26 +85,29 @@ class DPSGDSettings:
     """Log the diagnostics computed from private batches without noise (loss, gradient norms, clip fraction,
     realised batch size, memory): none is covered by ε. ``False`` when logs leave the trust boundary."""
 
+    flag_owner: str = FLAG_OWNER
+    """The strategy whose flags the refusals name: ``DPStrategy``, or ``ShardedDPStrategy`` for the sharded one."""
+
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(
-                f"set exactly one of {FLAG_OWNER}.noise_multiplier and {FLAG_OWNER}.target_epsilon "
+                f"set exactly one of {self.flag_owner}.noise_multiplier and {self.flag_owner}.target_epsilon "
                 f"(got noise_multiplier={self.noise_multiplier}, target_epsilon={self.target_epsilon})"
             )
-        require_finite("max_grad_norm", self.max_grad_norm, above=0.0)
+        require_finite("max_grad_norm", self.max_grad_norm, above=0.0, owner=self.flag_owner)
         if self.noise_multiplier is not None:
-            require_finite("noise_multiplier", self.noise_multiplier, at_least=0.0)
+            require_finite("noise_multiplier", self.noise_multiplier, at_least=0.0, owner=self.flag_owner)
         if self.target_epsilon is not None:
-            require_finite("target_epsilon", self.target_epsilon, above=0.0)
+            require_finite("target_epsilon", self.target_epsilon, above=0.0, owner=self.flag_owner)
         if self.target_delta is not None and not is_finite_number(self.target_delta, above=0, maximum=DELTA_MAX):
-            raise ValueError(f"{FLAG_OWNER}.target_delta must be in (0, {DELTA_MAX}], got {self.target_delta}")
+            raise ValueError(f"{self.flag_owner}.target_delta must be in (0, {DELTA_MAX}], got {self.target_delta}")
         if self.max_physical_batch_size < 1:
-            raise ValueError(f"{FLAG_OWNER}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
-        _require_choice("clipping", self.clipping, CLIPPING_ENGINES)
-        _require_choice("clip_mode", self.clip_mode, CLIP_MODES)
+            raise ValueError(f"{self.flag_owner}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
+        _require_choice("clipping", self.clipping, CLIPPING_ENGINES, owner=self.flag_owner)
+        _require_choice("clip_mode", self.clip_mode, CLIP_MODES, owner=self.flag_owner)
         self._check_clip_mode_knobs()
-        _require_choice("tied_norm", self.tied_norm, TIED_NORMS)
-        _require_choice("accountant", self.accountant, ACCOUNTANTS)
+        _require_choice("tied_norm", self.tied_norm, TIED_NORMS, owner=self.flag_owner)
+        _require_choice("accountant", self.accountant, ACCOUNTANTS, owner=self.flag_owner)
 
     def _check_clip_mode_knobs(self) -> None:
         """Each mode's own knobs in range, and none of them set under another mode (one line naming the flag)."""
@@ -116,26 +119,28 @@ class DPSGDSettings:
             value = getattr(self, field)
             if value is not None and self.clip_mode != mode:
                 raise ValueError(
-                    f"{FLAG_OWNER}.{field} is a knob of clip_mode={mode!r}, but clip_mode={self.clip_mode!r}"
+                    f"{self.flag_owner}.{field} is a knob of clip_mode={mode!r}, but clip_mode={self.clip_mode!r}"
                 )
         if self.target_quantile is not None and not is_finite_number(self.target_quantile, above=0, below=1):
-            raise ValueError(f"{FLAG_OWNER}.target_quantile must be in (0, 1), got {self.target_quantile}")
+            raise ValueError(f"{self.flag_owner}.target_quantile must be in (0, 1), got {self.target_quantile}")
         for field in ("clip_learning_rate", "count_noise_multiplier", "automatic_stability"):
             if getattr(self, field) is not None:
-                require_finite(field, getattr(self, field), above=0.0)
+                require_finite(field, getattr(self, field), above=0.0, owner=self.flag_owner)
 
 
 CLIP_MODES = ("fixed", "quantile", "automatic")
 
 
-def require_finite(field: str, value: float, *, above: float | None = None, at_least: float | None = None) -> None:
-    """Refuse (one line naming ``DPStrategy.<field>``) a value that is not a finite number in the range."""
+def require_finite(
+    field: str, value: float, *, above: float | None = None, at_least: float | None = None, owner: str = FLAG_OWNER
+) -> None:
+    """Refuse (one line naming ``<owner>.<field>``) a value that is not a finite number in the range."""
     if not is_finite_number(value, above=above, minimum=at_least):
         bounds = range_text(above=above, minimum=at_least)
-        raise ValueError(f"{FLAG_OWNER}.{field} must be a finite number{f' {bounds}' if bounds else ''}, got {value}")
+        raise ValueError(f"{owner}.{field} must be a finite number{f' {bounds}' if bounds else ''}, got {value}")
 
 
-def _require_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+def _require_choice(field: str, value: str, choices: tuple[str, ...], *, owner: str) -> None:
     if value not in choices:
         names = " or ".join(repr(choice) for choice in choices)
-        raise ValueError(f"{FLAG_OWNER}.{field} must be {names}, got {value!r}")
+        raise ValueError(f"{owner}.{field} must be {names}, got {value!r}")

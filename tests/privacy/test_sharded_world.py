@@ -116,3 +116,20 @@ def test_what_a_sharded_step_cannot_do_is_refused_in_one_line(setting: dict[str,
     with pytest.raises(ValueError, match=message) as refused:
         check_sharded_settings(settings)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"max_grad_norm": -1.0}, r"^ShardedDPStrategy\.max_grad_norm must be a finite number > 0, got -1\.0$"),
+        ({"clip_mode": "x"}, r"^ShardedDPStrategy\.clip_mode must be 'fixed' or 'quantile' or 'automatic', got 'x'$"),
+        ({"noise_multiplier": None}, r"^set exactly one of ShardedDPStrategy\.noise_multiplier and ShardedDPStrategy"),
+    ],
+)
+def test_a_shared_setting_refused_under_the_sharded_strategy_names_the_sharded_strategy(
+    setting: dict[str, Any], message: str
+) -> None:
+    from dplit.strategy import ShardedDPStrategy
+
+    with pytest.raises(ValueError, match=message):
+        ShardedDPStrategy(**{"max_grad_norm": 1.0, "noise_multiplier": 1.0, **setting})
