@@ -28,6 +28,7 @@ from typing import Any
 
 from bench import report
 from bench.machine import child_environment, git_info, machine_info
+from bench.rows import METHOD_NAMES, row_key
 from bench.step import MODELS, PRECISIONS, cpu_jiffies
 from bench.targets import BUSY
 
@@ -113,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     configs = []
     for config in args.configs:
         method, _, policy = config.partition(":")
-        if method not in report.METHOD_NAMES or policy not in ("tied", "untied"):
+        if method not in METHOD_NAMES or policy not in ("tied", "untied"):
             parser.error(f"bad configuration {config!r}: use METHOD:POLICY, e.g. dplit_ghost:tied")
         configs.append((method, policy, STEP_NOISE))
     args.configs = configs
@@ -202,8 +203,8 @@ def assemble(
     suite_wall_s: float,
 ) -> dict[str, Any]:
     """The results document: this run's rows after the kept rows of earlier runs (``--append``), settings, runs."""
-    fresh = {report.row_key(r) for r in rows}
-    kept = [r for r in previous if report.row_key(r) not in fresh]
+    fresh = {row_key(r) for r in rows}
+    kept = [r for r in previous if row_key(r) not in fresh]
     results = {
         **header,
         "settings": {"seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "sigma": args.sigma,
