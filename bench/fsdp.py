@@ -38,8 +38,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import ROOT, free_port, git_info, machine_info
+from bench.models import MODELS, build_model, make_batch
+from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 from bench.report import machine_line
-from bench.step import MODELS, build_model, cpu_jiffies, current_rss_mb, make_batch, others_share, peak_rss_mb
 from bench.targets import Target, busy_note, ratio_table, ratios
 
 ARMS = ("dp_fsdp", "dp_ddp", "non_private_fsdp")

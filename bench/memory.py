@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.machine import ROOT, git_info, machine_info
+from bench.models import LABEL_WORDS, LORA_TARGETS, SMOLLM2_135M
+from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 from bench.report import machine_line
-from bench.step import LABEL_WORDS, LORA_TARGETS, SMOLLM2_135M, cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 from bench.targets import Target, busy_note, ratio_table, ratios
 
 SIZES: dict[str, dict[str, Any]] = {  # Llama configs; every size tied, SmolLM2's 49152-token vocabulary but tiny

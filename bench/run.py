@@ -28,8 +28,10 @@ from typing import Any
 
 from bench import report
 from bench.machine import child_environment, git_info, machine_info
+from bench.models import MODELS
+from bench.process_stats import cpu_jiffies
 from bench.rows import METHOD_NAMES, row_key
-from bench.step import MODELS, PRECISIONS, cpu_jiffies
+from bench.step import PRECISIONS
 from bench.targets import BUSY
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import statistics
 import sys
 import time
@@ -38,6 +36,9 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench.models import MODELS, adapters, build_model, make_batch
+from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 
 BASE_METHODS = ("non_private", "dplit_ghost", "dplit_per_example", "opacus_hooks", "opacus_ghost")
 ADAPTER_METHODS = (
@@ -47,73 +48,9 @@ ADAPTER_METHODS = (
 """A base method on the LoRA model (rank 8 on every projection, base frozen); ``_embedding``: the (tied or untied)
 input/output embedding trained beside the adapters."""
 METHODS = BASE_METHODS + ADAPTER_METHODS
-LORA_TARGETS = {
-    "gpt2": ["c_attn", "c_proj", "c_fc"],  # GPT-2's Conv1D layers (fan_in_fan_out)
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
 POLICIES = ("untied", "tied")
 PRECISIONS = ("32-true", "bf16-mixed")
 """Lightning's names: float32 throughout, or bf16 autocast around forward and loss (weights, grads, AdamW in fp32)."""
-SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M's shape: Llama, deep and narrow (30 layers, width 576)
-    "model_type": "llama",
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,  # grouped-query attention
-    "intermediate_size": 1536,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 100000.0,
-}
-MODELS: dict[str, dict[str, Any]] = {
-    "gpt2": {"model_type": "gpt2", "n_layer": 12, "n_embd": 768, "n_head": 12},  # 124M parameters tied (GPT-2 small)
-    "distilgpt2": {"model_type": "gpt2", "n_layer": 6, "n_embd": 768, "n_head": 12},  # 82M tied
-    "tiny": {"model_type": "gpt2", "n_layer": 2, "n_embd": 128, "n_head": 4},  # --quick; GPT-2's full vocabulary
-    "smollm2": SMOLLM2_135M,  # 135M parameters tied (RMSNorm, SwiGLU MLP, rotary positions, no biases)
-    # SmolLM2's depth (30 layers) and 3:1 grouped-query heads at width 96: little compute, every per-layer and
-    # per-call cost of an engine exposed (what a GPU shows at full width); full vocabulary
-    "smollm2_tiny": {**SMOLLM2_135M, "hidden_size": 96, "num_attention_heads": 3, "num_key_value_heads": 1,
-                     "intermediate_size": 256},
-}
-VOCAB_SIZES = {"gpt2": 50257, "llama": 49152}
-"""Vocabulary by family: GPT-2's BPE, SmolLM2's tokenizer."""
-LABEL_WORDS = {"gpt2": [7818, 1049], "llama": [1109, 13321]}
-"""SST-2 label words " terrible", " great" in each family's tokenizer."""
-VOCAB_SIZE = VOCAB_SIZES["gpt2"]  # the GPT-2 sizes' (kept for callers of the former constants)
-LABEL_WORD_IDS = LABEL_WORDS["gpt2"]
-
-
-def adapters(method: str) -> tuple[str, bool, bool]:
-    """(base method, whether the model has LoRA adapters, whether its embedding trains beside them)."""
-    if method.endswith("_lora_embedding"):
-        return method.removesuffix("_lora_embedding"), True, True
-    if method.endswith("_lora"):
-        return method.removesuffix("_lora"), True, False
-    return method, False, True
-
-
-def lora_config(model: str) -> Any:
-    """Rank-8 LoRA (alpha 16, no dropout) on every attention and MLP projection of the family."""
-    from peft import LoraConfig
-
-    return LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS[family(model)],
-                      fan_in_fan_out=family(model) == "gpt2")
-
-
-def family(model: str) -> str:
-    """The transformers ``model_type`` of a benchmark model size."""
-    return MODELS[model]["model_type"]
-
-
-def backbone_config(model: str, seq_len: int) -> dict[str, Any]:
-    """The random-init backbone's config (``CausalLMClassifier(config=...)``) for a size and sequence length."""
-    settings = dict(MODELS[model])
-    settings["vocab_size"] = VOCAB_SIZES[family(model)]
-    if family(model) == "gpt2":
-        settings["n_positions"] = max(1024, seq_len)
-    else:
-        settings["max_position_embeddings"] = max(8192, seq_len)  # SmolLM2's (rotary: no position table)
-    return settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,76 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", type=Path, default=None, help="also profile one step; write the op table here")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON result")
     return parser.parse_args(argv)
-
-
-def current_rss_mb() -> float:
-    """Resident set size of this process now, in MiB."""
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mb() -> float:
-    """Peak resident set size of this process so far, in MiB (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def cpu_jiffies() -> tuple[int, int]:
-    """(busy, total) CPU ticks of the whole machine so far, from /proc/stat (all CPUs)."""
-    with open("/proc/stat") as stat:
-        fields = [int(x) for x in stat.readline().split()[1:]]
-    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal
-    return total - fields[3] - fields[4], total
-
-
-def others_share(before: tuple[int, int], after: tuple[int, int], own_cpu_s: float, wall_s: float) -> float:
-    """Share of all the machine's CPUs used by OTHER processes in an interval (0..1; ±1 tick of resolution)."""
-    busy = (after[0] - before[0]) / max(1, after[1] - before[1])
-    return max(0.0, busy - own_cpu_s / (wall_s * (os.cpu_count() or 1)))
-
-
-def build_model(args: argparse.Namespace, device: Any) -> Any:
-    """The model every method trains: a random-weight classifier (causal LM with ``--task lm``), in train mode."""
-    from dplit.backbone.embeddings import TiedEmbeddings, UntiedEmbeddings
-    from dplit.tasks.classifier import CausalLMClassifier
-
-    embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
-    _, lora, train_embeddings = adapters(args.method)
-    peft = {"peft": lora_config(args.model), "train_embeddings": train_embeddings} if lora else {}
-    if args.task == "lm":
-        from dplit.tasks.language_model import CausalLanguageModel
-
-        language_model = CausalLanguageModel(
-            config=backbone_config(args.model, args.seq_len), embeddings=embeddings, dropout=0.0,
-            attn_implementation="eager", lr=args.lr, sample_prompts=[], **peft,
-        )  # fmt: skip
-        return language_model.to(device).train()
-    model = CausalLMClassifier(
-        config=backbone_config(args.model, args.seq_len),
-        embeddings=embeddings,
-        head="label_words",
-        label_word_ids=LABEL_WORDS[family(args.model)],
-        dropout=0.0,
-        attn_implementation="eager",
-        lr=args.lr,
-        **peft,
-    )
-    return model.to(device).train()
-
-
-def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    """One batch of B random sequences of T real tokens (no padding), with random labels, seeded by ``--seed``."""
-    import torch
-
-    generator = torch.Generator().manual_seed(args.seed + 1)
-    shape = (args.batch_size, args.seq_len)
-    vocab, classes = VOCAB_SIZES[family(args.model)], len(LABEL_WORDS[family(args.model)])
-    return {
-        "input_ids": torch.randint(0, vocab, shape, generator=generator).to(device),
-        "attention_mask": torch.ones(shape, dtype=torch.long).to(device),  # all real tokens, no padding
-        "labels": torch.randint(0, classes, (args.batch_size,), generator=generator).to(device),
-        "loss_mask": torch.ones(shape, dtype=torch.long).to(device),  # lm: every token is trained
-    }
 
 
 def autocast(args: argparse.Namespace, device: Any) -> Callable[[], Any]:
