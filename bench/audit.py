@@ -119,6 +119,12 @@ def command(run: dict[str, Any], root: Path) -> list[str]:
     ]  # fmt: skip
 
 
+def planned_part(row: dict[str, Any]) -> dict[str, Any]:
+    """The plan entry a results row was run from (its keys before ``execute`` added the outcome)."""
+    keys = ("table", "setup", "mode", "claimed", "mechanism", "canaries", "repeat", "epochs")
+    return {key: row[key] for key in keys if key in row}
+
+
 def execute(run: dict[str, Any], index: int, logs: Path, timeout: float) -> dict[str, Any]:
     """Run one audit; its row (the report, or why it failed)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -261,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     parser.add_argument("--render", action="store_true", help="only re-render table.md from --output's results.json")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep --output's finished runs; run only the planned runs missing or failed there")
     args = parser.parse_args(argv)
     if args.render:
         results = json.loads((args.output / "results.json").read_text())
@@ -273,8 +281,15 @@ def main(argv: list[str] | None = None) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"machine": machine_info(), "git": git_info("dplit", "tests/helpers/audit_mechanisms.py"),
                                "profile": "smoke" if args.smoke else "default", "runs": [], "wall_s": 0.0}  # fmt: skip
-    started = time.monotonic()
-    for index, run in enumerate(plan(args.smoke)):
+    runs = plan(args.smoke)
+    if args.resume:
+        previous = json.loads((args.output / "results.json").read_text())
+        kept = [row for row in previous["runs"] if "report" in row]
+        done = [planned_part(row) for row in kept]
+        runs = [run for run in runs if run not in done]
+        results.update(runs=kept, wall_s=previous["wall_s"], resumed_from=previous["git"])
+    started = time.monotonic() - results["wall_s"]
+    for index, run in enumerate(runs):
         row = execute(run, index, logs, args.timeout)
         results["runs"].append(row)
         results["wall_s"] = time.monotonic() - started
