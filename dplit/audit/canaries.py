@@ -79,12 +79,17 @@ class GradientCanaries:
         coordinates = torch.randperm(size, generator=generator)[:count]
         return cls(coordinates=coordinates, included=_membership(count, generator), norm=norm)
 
-    def add_sampled(self, gradient_sum: Tensor, *, sample_rate: float, generator: torch.Generator) -> int:
-        """Add C at the coordinate of every included canary that this step's Poisson draw samples; return how many."""
+    def add_sampled(
+        self, gradient_sum: Tensor, *, sample_rate: float, generator: torch.Generator, norm: float | None = None
+    ) -> int:
+        """Add a canary's norm at the coordinate of every included canary this step's Poisson draw samples.
+
+        The norm is this step's ``norm`` (C_t under quantile clipping), else C. Returns how many were sampled.
+        """
         drawn = torch.rand(self.included.shape[0], generator=generator, dtype=torch.float64) < sample_rate  # [m]
         self._drawn = drawn & self.included
         sampled = self.coordinates[self._drawn]
-        gradient_sum[sampled.to(gradient_sum.device)] += self.norm
+        gradient_sum[sampled.to(gradient_sum.device)] += self.norm if norm is None else norm
         self.sampled_last_step = int(sampled.numel())
         return self.sampled_last_step
 

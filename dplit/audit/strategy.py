@@ -18,9 +18,10 @@ from dplit.strategy import DPStrategy
 class CanaryDPStrategy(DPStrategy):
     """DP-SGD with m gradient canaries that take part in every step as m more examples would.
 
-    Each included canary is Poisson-sampled at the run's rate q every step and its gradient (a Dirac of norm C) is
-    added to the clipped sum before the noise, on rank 0 (where the noise is drawn); the released noisy sum is read
-    at every canary's coordinate. Both happen through DP-SGD's public hooks: nothing else changes.
+    Each included canary is Poisson-sampled at the run's rate q every step and its gradient (a Dirac of norm C, or of
+    this step's C_t under quantile clipping, where it also joins the noisy count as an example at the bound would)
+    is added to the clipped sum before the noise, on rank 0 (where the noise is drawn); the released noisy sum is read
+    at every canary's coordinate. All of it goes through DP-SGD's public hooks and methods: nothing else changes.
 
     Args:
         canaries: m, the number of gradient canaries.
@@ -33,11 +34,6 @@ class CanaryDPStrategy(DPStrategy):
 
     def __init__(self, *, canaries: int = 1000, canary_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if self.settings.clip_mode == "quantile":  # canaries would need to move with C_t and join the count
-            raise ValueError(
-                "dplit audit cannot audit DPStrategy.clip_mode=quantile yet (its canaries have a fixed norm C); "
-                "audit with clip_mode fixed or automatic"
-            )
         self._canary_count = canaries
         self._canary_seed = canary_seed
         self._canaries: GradientCanaries | None = None
@@ -50,8 +46,11 @@ class CanaryDPStrategy(DPStrategy):
         return self._canaries
 
     def canary_norm(self) -> float:
-        """The norm of each canary's gradient: the clipping bound C, as for any clipped example."""
-        return self.max_grad_norm
+        """The norm of each canary's gradient this step: the bound the mechanism claims, as for any clipped example.
+
+        C, or this step's C_t under quantile clipping.
+        """
+        return self.dpsgd.clip_bound
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -71,7 +70,9 @@ class CanaryDPStrategy(DPStrategy):
             return
         assert dpsgd.sample_rate is not None
         generator = dpsgd.noise_source.generator("canaries", steps=dpsgd.steps, device=torch.device("cpu"))
-        self.canaries.add_sampled(clipped_sum, sample_rate=dpsgd.sample_rate, generator=generator)
+        norm = self.canary_norm()
+        sampled = self.canaries.add_sampled(clipped_sum, sample_rate=dpsgd.sample_rate, generator=generator, norm=norm)
+        dpsgd.count_units(torch.full((sampled,), norm, dtype=torch.float64))  # quantile mode: each joins the count
 
     def _score_canaries(self, dpsgd: DPSGD, noisy_sum: Tensor) -> None:
         """Score every canary on the released noisy sum (before the division by qN), in units of the step's C."""

@@ -195,6 +195,15 @@ class DPSGD:
         """Call ``hook(self, noisy_sum)`` on every rank once the noisy sum is summed over ranks, before ÷ qN."""
         return _register(self._after_noise, hook, prepend=prepend)
 
+    def count_units(self, norms: Tensor) -> None:
+        """Count units that join this step outside the engine (an audit's canaries) in quantile mode's noisy count.
+
+        Call it from a before-noise hook, on the rank that adds those units to the clipped sum, with their gradient
+        norms: each adds 1[‖g‖ ≤ C_t] − ½ like any clipped example. A no-op in the other modes.
+        """
+        if self._clip_bound is not None:
+            self._unclipped += self._clip_bound.centred_count(norms)
+
     # --- Algorithm 1 -----------------------------------------------------------------------------------------------
 
     def sample(self, loader: DataLoader) -> DataLoader:

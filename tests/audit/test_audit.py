@@ -21,7 +21,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
 from dplit.audit.canaries import GradientCanaries, InputCanaries
 from dplit.audit.command import AUDIT_FILE, audit_main
-from dplit.audit.strategy import CanaryDPStrategy
 from dplit.privacy.warnings import PrivacyWarning
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
 from tests.helpers.executable import dplit_executable, user_environment
@@ -318,10 +317,27 @@ def test_the_audit_benchmark_runs_and_tabulates(tmp_path: Path) -> None:
     assert row in table
 
 
-def test_an_audit_of_quantile_clipping_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match="cannot audit DPStrategy.clip_mode=quantile yet") as refused:
-        CanaryDPStrategy(max_grad_norm=1.0, noise_multiplier=1.0, clip_mode="quantile")
-    assert "\n" not in str(refused.value)
+QUANTILE = ["--trainer.strategy.init_args.clip_mode", "quantile", "--trainer.strategy.init_args.clip_learning_rate",
+            "0.2"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_audit_of_quantile_clipping_sees_canaries_at_each_steps_bound(tmp_path: Path) -> None:
+    """Canaries of norm C_t, in the noisy count; read in units of C_t with σ_eff: a correct run passes everything."""
+    report = audit_main(full_batch_args(tmp_path, *QUANTILE, *epsilon(4.0)), lm=False)
+    ledger = json.loads(next(tmp_path.rglob("privacy_ledger.json")).read_text())
+    assert ledger["clip_mode"] == "quantile" and ledger["clip_bound"] != 1.0  # C_t moved
+    assert not report["violation"] and [check["passed"] for check in report["checks"]] == [True, True]
+    assert report["noise_multiplier"] < ledger["gradient_noise_multiplier"]  # the audit read σ_eff, not σ
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:PRIVACY AUDIT FAILED")
+def test_half_the_noise_under_quantile_clipping_is_caught(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as stop:
+        audit_main(full_batch_args(tmp_path, *QUANTILE, *broken("HalfNoise"), *epsilon(4.0)), lm=False)
+    report = read_report(tmp_path)
+    assert stop.value.code == 3 and not report["checks"][1]["passed"]  # the noise is half of σ_eff·C_t
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ class UnclippedCanaries(CanaryDPStrategy):
 
     @override
     def canary_norm(self) -> float:
-        return 10 * self.max_grad_norm
+        return 10 * self.dpsgd.clip_bound
 
 
 class NoClipping(CanaryDPStrategy):
@@ -65,7 +65,7 @@ class NoClipping(CanaryDPStrategy):
 
     @override
     def canary_norm(self) -> float:
-        return 100 * self.max_grad_norm
+        return 100 * self.dpsgd.clip_bound
 
     @override
     def make_clipping_engine(self, module: nn.Module) -> ClippingEngine:

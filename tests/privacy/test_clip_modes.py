@@ -196,3 +196,24 @@ def test_two_data_parallel_processes_move_one_bound(tmp_path: Path) -> None:
     ledger = json.loads(max(tmp_path.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime).read_text())
     assert ledger["clip_mode"] == "quantile" and ledger["clip_bound"] != 1.0
     assert history_steps(ledger["accountant"]["history"]) == 2
+
+
+def test_units_counted_outside_the_engine_join_the_noisy_count_at_a_half_each() -> None:
+    """Units counted outside the engine move the noisy count by ±½ each, like clipped examples.
+
+    σ = 0 (no count noise): an empty batch's estimate is ½; two units at the bound and one above move it by
+    (½ + ½ − ½) / B; in fixed mode counting does nothing.
+    """
+    mechanism, model = dpsgd({"clip_mode": "quantile", "clip_learning_rate": 1e-9}, sigma=0.0)
+    mechanism.start(planned_steps=3)
+    empty_step(mechanism, model)
+    assert mechanism.clip_quantile_estimate == pytest.approx(0.5)
+    handle = mechanism.register_before_noise_hook(
+        lambda dpsgd, _: dpsgd.count_units(torch.tensor([1.0, 1.0, 5.0], dtype=torch.float64))
+    )
+    empty_step(mechanism, model)
+    assert mechanism.clip_quantile_estimate == pytest.approx(0.5 + 0.5 / 16)
+    handle.remove()
+    fixed, _ = dpsgd({})
+    fixed.count_units(torch.ones(3))  # nothing to count into
+    assert fixed.clip_quantile_estimate is None
