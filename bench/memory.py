@@ -34,8 +34,6 @@ import argparse
 import datetime
 import gc
 import json
-import multiprocessing
-import os
 import shlex
 import statistics
 import sys
@@ -45,6 +43,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from bench.fresh_process import process_context, run_fresh
 from bench.machine import ROOT, git_info, machine_info
 from bench.models import LABEL_WORDS, LORA_TARGETS, SMOLLM2_135M
 from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
@@ -223,43 +222,6 @@ def measure(args: argparse.Namespace, arm: str, folder: str) -> dict[str, Any]:
             "cuda_device": torch.cuda.get_device_name(device) if cuda else None}  # fmt: skip
 
 
-def child(args: argparse.Namespace, arm: str, folder: str, out: str) -> None:
-    """One arm's process: measure, write the record to ``out`` (a failure is recorded, not raised)."""
-    try:
-        record = measure(args, arm, folder)
-    except Exception as error:  # noqa: BLE001  (a failed arm is a row, the others still run)
-        record = {"arm": arm, "status": "failed", "message": f"{type(error).__name__}: {error}"[:500]}
-    Path(out).write_text(json.dumps(record))
-
-
-def run_arm(context: Any, args: argparse.Namespace, arm: str, folder: str) -> dict[str, Any]:
-    """Run one arm in a fresh process of ``context`` and read its record."""
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch, "arm.json")
-        process = context.Process(target=child, args=(args, arm, folder, str(out)))
-        process.start()
-        process.join()
-        if not out.exists():
-            return {"arm": arm, "status": "failed", "message": f"the process exited with code {process.exitcode}"}
-        return json.loads(out.read_text())
-
-
-def process_context(device: str) -> Any:
-    """Arms start as forks of a forkserver (a fresh interpreter) that has only imported :data:`PRELOAD`.
-
-    It holds no tensor and never initialises CUDA (torch's documented way to use CUDA in subprocesses, besides spawn),
-    so an arm's peak is its own, without paying the imports (seconds) per arm. On the CPU it starts with
-    ``MALLOC_MMAP_THRESHOLD_=65536``, which its forks keep.
-    """
-    if device == "cpu":
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # glibc reads it as the forkserver starts
-    else:
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # should anything ask is_available() before the forks
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
-
-
 def arm_row(arm: dict[str, Any]) -> str:
     """One arm's row: step and CPU time, others' CPU share, peak, after setup, step working memory, model bytes."""
     if arm["status"] != "ok":
@@ -300,12 +262,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(threads=args.threads, device=args.device), "git": git_info("dplit", "bench"),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "arms": {},
     }  # fmt: skip
-    context = process_context(args.device)
+    context = process_context(args.device, PRELOAD)
     with tempfile.TemporaryDirectory() as folder:
         save_llama(args, Path(folder))
         for arm in args.arms:
             started = time.perf_counter()
-            results["arms"][arm] = run_arm(context, args, arm, folder)
+            results["arms"][arm] = run_fresh(context, measure, args, arm, folder, name=arm)
             print(f"{arm}: {results['arms'][arm].get('step_time_s')} s/step, "
                   f"{results['arms'][arm].get('step_mem_mb')} MiB step ({time.perf_counter() - started:.0f} s)",
                   flush=True)  # fmt: skip
