@@ -9,11 +9,12 @@ smaller than the accountant counts.
 
 The signal is measured where nothing else can move it. An included canary moves its own weight, and the real
 examples' gradients at that coordinate may then push back, so included and excluded canaries drift apart over a
-run: comparing their means would fail correct runs. With Poisson sampling the signal is the within-canary contrast
-of the steps that sampled an included canary against those that did not (the draw is independent of everything
-else at that step, so the contrast is exactly 1 for a correct mechanism; each canary's own level cancels); in full
-batches, where every step samples it, it is the first step's included − excluded difference, read before any
-update. Each check errs on a correct run with probability :data:`CHECK_LEVEL` (both together at most twice that).
+run: comparing their means would fail correct runs. With Poisson sampling the signal is each included canary's
+contrast Σ_t (s_t − q)(x_t − mean of its readings before t): the draw s_t is independent of everything else at
+step t, and the centre is fixed before it, so the contrast has mean exactly q(1 − q) per step for a correct
+mechanism, whatever the model did before; in full batches, where every step samples it, the signal is the first
+step's included − excluded difference, read before any update. Intervals use Student-t quantiles. Each check errs
+on a correct run with probability :data:`CHECK_LEVEL` (both together at most twice that).
 """
 
 from __future__ import annotations
@@ -47,9 +48,14 @@ class ScaleCheck:
                 f"a correct mechanism gives {self.meaning}): {verdict}")  # fmt: skip
 
 
-def _signal(name: str, estimate: float, error: float) -> ScaleCheck:
-    """A two-sided check that the signal per inclusion is 1, from an estimate and its standard error."""
-    half = float(stats.norm.isf(CHECK_LEVEL / 2)) * error
+ROUNDING = 1e-4
+"""The least half-width of a signal interval: without noise or data at the coordinates the readings are exact up to
+float32 rounding of C."""
+
+
+def _signal(name: str, estimate: float, error: float, freedom: float) -> ScaleCheck:
+    """A two-sided check that the signal per inclusion is 1, from an estimate, its standard error and its d.o.f."""
+    half = max(float(stats.t.isf(CHECK_LEVEL / 2, max(freedom, 1.0))) * error, ROUNDING)
     return ScaleCheck(name, estimate, estimate - half, estimate + half, 1.0, estimate - half <= 1 <= estimate + half, "1")
 
 
@@ -57,30 +63,29 @@ def first_step_signal(first: Tensor, included: Tensor, *, sample_rate: float) ->
     """(mean first reading of included − excluded canaries) / q: 1 before any update (Welch's interval)."""
     inside, outside = first[included].double(), first[~included].double()
     estimate = float(inside.mean() - outside.mean()) / sample_rate
-    error = math.sqrt(float(inside.var()) / inside.numel() + float(outside.var()) / outside.numel()) / sample_rate
-    return _signal("signal per inclusion, first step (× C)", estimate, error)
+    shares = [float(group.var()) / group.numel() for group in (inside, outside)]
+    error = math.sqrt(sum(shares)) / sample_rate
+    spread = sum(share**2 / max(group.numel() - 1, 1) for share, group in zip(shares, (inside, outside), strict=True))
+    freedom = sum(shares) ** 2 / spread if spread > 0 else 1.0  # Welch-Satterthwaite
+    return _signal("signal per inclusion, first step (× C)", estimate, error, freedom)
 
 
-def sampled_contrast_signal(
-    reading_sums: Tensor, reading_squares: Tensor, sampled_sums: Tensor, sampled_counts: Tensor, *, steps: int
-) -> ScaleCheck:
-    """Included canaries' readings on the steps that sampled them minus the steps that did not: 1 per inclusion.
+def sampled_contrast_signal(contrast_sums: Tensor, contrast_squares: Tensor, *, steps: int, sample_rate: float) -> ScaleCheck:
+    """Each included canary's sampled-vs-earlier contrast over q(1 − q) per step: 1 per inclusion.
 
-    A regression on the sampled indicator with one level per canary: Σ_j (S_j − c_j·R_j/T) / Σ_j c_j(T − c_j)/T
-    (R_j: canary j's readings summed, S_j: over its c_j sampled steps), its error from the pooled within-canary
-    variance.
+    The terms (s_t − q)(x_t − mean of earlier readings) are martingale differences around q(1 − q), so the error is
+    √Σ terms² over q(1 − q) per step and canary.
 
     Args:
-        reading_sums: each included canary's readings summed over the steps [n].
-        reading_squares: their squares summed [n].
-        sampled_sums: the readings summed over the steps that sampled the canary [n].
-        sampled_counts: how many steps sampled it [n].
-        steps: T.
+        contrast_sums: each included canary's Σ_t of its terms [n].
+        contrast_squares: each included canary's Σ_t of its squared terms [n].
+        steps: the steps whose draws were known.
+        sample_rate: q (< 1).
     """
-    spread = sampled_counts * (steps - sampled_counts) / steps  # [n]
-    estimate = float((sampled_sums - sampled_counts * reading_sums / steps).sum() / spread.sum())
-    pooled = float((reading_squares - reading_sums**2 / steps).sum()) / (reading_sums.numel() * (steps - 1))
-    return _signal("signal per inclusion, sampled − unsampled steps (× C)", estimate, math.sqrt(pooled / float(spread.sum())))
+    scale = sample_rate * (1 - sample_rate) * contrast_sums.numel() * steps
+    estimate = float(contrast_sums.sum()) / scale
+    error = math.sqrt(float(contrast_squares.sum())) / scale
+    return _signal("signal per inclusion, sampled contrast (× C)", estimate, error, contrast_sums.numel() * steps - 1)
 
 
 def noise_check(
@@ -109,21 +114,21 @@ def noise_check(
 
 
 def scale_checks(
-    first: Tensor | None, reading_sums: Tensor, reading_squares: Tensor, sampled_sums: Tensor, sampled_counts: Tensor,
-    included: Tensor, *, steps: int, sample_rate: float, noise_multiplier: float,
+    first: Tensor | None, reading_sums: Tensor, reading_squares: Tensor, contrast_sums: Tensor,
+    contrast_squares: Tensor, included: Tensor, *, steps: int, contrast_steps: int, sample_rate: float,
+    noise_multiplier: float,
 ) -> list[ScaleCheck]:  # fmt: skip
     """The checks the run's readings allow: the signal (with 2 canaries in and 2 out at least), the noise (σ > 0).
 
-    The sampled contrast needs the draws (known where the canaries were added, rank 0) and steps that sampled and
-    that skipped the canaries; otherwise the first step's difference serves.
+    The sampled contrast needs q < 1 and the draws (known where the canaries were added, rank 0); otherwise the
+    first step's difference serves.
     """
     inside = int(included.sum())
     if first is None or steps < 1 or min(inside, included.numel() - inside) < 2:
         return []
-    counts = sampled_counts[included]
-    if sample_rate < 1 and steps >= 2 and float((counts * (steps - counts)).sum()) > 0:
-        checks = [sampled_contrast_signal(reading_sums[included], reading_squares[included], sampled_sums[included],
-                                          counts, steps=steps)]  # fmt: skip
+    if sample_rate < 1 and contrast_steps > 0 and float(contrast_squares[included].sum()) > 0:
+        checks = [sampled_contrast_signal(contrast_sums[included], contrast_squares[included], steps=contrast_steps,
+                                          sample_rate=sample_rate)]  # fmt: skip
     else:
         checks = [first_step_signal(first, included, sample_rate=sample_rate)]
     if noise_multiplier > 0 and steps >= 2:

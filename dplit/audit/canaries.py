@@ -48,7 +48,7 @@ class GradientCanaries:
     Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor reads the
     released noisy sum at every canary's coordinate on every step (all iterates), in units of C: the score is the
     sum of the steps' log-likelihood ratios (:func:`white_box_step_score`); the first step's readings, the sums of
-    the readings, of their squares and of those taken when the canary was sampled feed the audit's checks of the
+    the readings and of their squares, and each canary's sampled-vs-earlier contrast feed the audit's checks of the
     mechanism's scale (:mod:`dplit.audit.calibration`).
 
     Args:
@@ -65,8 +65,9 @@ class GradientCanaries:
         self.reading_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.reading_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.first_readings: Tensor | None = None
-        self.sampled_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
-        self.sampled_counts = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.contrast_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.contrast_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.contrast_steps = 0
         self.steps = 0
         self.sampled_last_step = 0
         self._drawn: Tensor | None = None
@@ -96,6 +97,11 @@ class GradientCanaries:
     def observe(self, released: Tensor, *, clip_bound: float, noise_multiplier: float, sample_rate: float) -> None:
         """Read the released noisy sum at each canary's coordinate, in units of the step's C, and score it.
 
+        Where this step's draws are known (rank 0, which added the canaries), each canary also adds
+        (s − q)·(x − mean of its earlier readings) to its contrast: s, whether it was sampled, is independent of
+        everything else in the step, so the sum has mean q(1 − q) per step and included canary whatever the model did
+        before (:func:`dplit.audit.calibration.sampled_contrast_signal`).
+
         Args:
             released: the step's noisy sum over every trainable coordinate (flat).
             clip_bound: the step's C (each canary's contribution when sampled).
@@ -104,14 +110,17 @@ class GradientCanaries:
         """
         reading = released[self.coordinates.to(released.device)].double().cpu() / clip_bound  # [m]
         self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        if self._drawn is not None:  # where the canaries were added (rank 0): which readings carry one
+            earlier = self.reading_sums / self.steps if self.steps else torch.zeros_like(reading)  # [m]
+            term = (self._drawn.double() - sample_rate) * (reading - earlier)  # [m]
+            self.contrast_sums += term
+            self.contrast_squares += term**2
+            self.contrast_steps += 1
+            self._drawn = None
         self.reading_sums += reading
         self.reading_squares += reading**2
         if self.first_readings is None:
             self.first_readings = reading
-        if self._drawn is not None:  # where the canaries were added (rank 0): which readings carry one
-            self.sampled_sums += torch.where(self._drawn, reading, 0.0)
-            self.sampled_counts += self._drawn.double()
-            self._drawn = None
         self.steps += 1
 
 

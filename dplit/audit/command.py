@@ -19,7 +19,7 @@ from typing_extensions import override
 from dplit.audit.bound import AuditBound, audit_bound
 from dplit.audit.calibration import ScaleCheck, scale_checks
 from dplit.audit.canaries import InputCanaries
-from dplit.audit.claimed_curve import claimed_least_probability
+from dplit.audit.claimed_curve import claimed_least_probability, epsilon_at_least
 from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound, refutes
 from dplit.audit.simulation import GuessPlan, plan_guesses
 from dplit.audit.strategy import CanaryDPStrategy
@@ -171,6 +171,11 @@ def failures(report: dict[str, Any]) -> list[str]:
     failed = [check["line"] for check in report["checks"] if not check["passed"]]
     if failed:
         reasons.append("the released sums do not scale as the claimed mechanism's do (" + "; ".join(failed) + ")")
+    accounting = report["accounting_check"]
+    if accounting is not None and not accounting["passed"]:
+        reasons.append(f"the claimed ε = {report['claimed_epsilon']:.4f} is below {accounting['epsilon_at_least']:.4f}, "
+                       "the least ε of the run's σ, q and steps (dp-accounting's optimistic PLD): the accountant "
+                       "understates ε")  # fmt: skip
     return reasons
 
 
@@ -208,8 +213,9 @@ def run_audit(
         canaries = strategy.canaries
         scores, included = canaries.scores, canaries.included
         checks = scale_checks(
-            canaries.first_readings, canaries.reading_sums, canaries.reading_squares, canaries.sampled_sums,
-            canaries.sampled_counts, included, steps=canaries.steps, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
+            canaries.first_readings, canaries.reading_sums, canaries.reading_squares, canaries.contrast_sums,
+            canaries.contrast_squares, included, steps=canaries.steps, contrast_steps=canaries.contrast_steps,
+            sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
             noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
         )  # fmt: skip
     else:
@@ -244,8 +250,12 @@ def _plan(strategy: DPStrategy, settings: AuditSettings) -> GuessPlan:
 
 
 def _claim_refuted(strategy: DPStrategy, fdp: GdpBound, settings: AuditSettings) -> bool:
-    """Whether the f-DP guesses refute the claimed mechanism's own curve (σ, q, T) at the stated confidence."""
-    sigma = strategy.dpsgd.gradient_noise_multiplier
+    """Whether the f-DP guesses refute the claimed mechanism's own curve (σ, q, T) at the stated confidence.
+
+    σ is the accounted one (under quantile clipping the gradient's σ_eff is larger, but C_t moves with the noisy
+    count, so only σ is claimed for everything released).
+    """
+    sigma = strategy.noise_multiplier or 0.0
     accountant = strategy.accountant
     assert accountant is not None
     if sigma <= 0:  # no noise: nothing is claimed
@@ -255,6 +265,22 @@ def _claim_refuted(strategy: DPStrategy, fdp: GdpBound, settings: AuditSettings)
     refuted = refutes(curve, canaries=settings.canaries, guesses=np.array([fdp.k_plus + fdp.k_minus]),
                       correct=np.array([fdp.correct]), level=1 - settings.confidence)  # fmt: skip
     return bool(refuted[0])
+
+
+ACCOUNTING_SLACK = 1e-3
+"""Relative room for the discretisation of dp-accounting's optimistic estimate."""
+
+
+def _accounting_check(strategy: DPStrategy, claimed: float) -> dict[str, Any] | None:
+    """The claimed ε against the least ε of the run's σ, q and steps (``None`` without noise)."""
+    accountant = strategy.accountant
+    assert accountant is not None
+    sigma = strategy.noise_multiplier or 0.0
+    if sigma <= 0 or not math.isfinite(claimed):
+        return None
+    least = epsilon_at_least(noise_multiplier=sigma, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
+                             steps=accountant.steps, delta=accountant.delta)  # fmt: skip
+    return {"epsilon_at_least": least, "passed": claimed >= least * (1 - ACCOUNTING_SLACK)}
 
 
 class PowerCheck(Callback):
@@ -327,6 +353,7 @@ def _report(
         "confidence": settings.confidence,
         "violation": claim_refuted if settings.analysis == "fdp" else headline > claimed,
         "claimed_curve_refuted": claim_refuted,
+        "accounting_check": _accounting_check(strategy, claimed),
         "claimed_curve": "exact G_μ, μ = √T/σ" if sample_rate >= 1 else "dp-accounting PLD of the Poisson-subsampled "
         "Gaussian (σ, q, T), pessimistic, read from below",
         "mode": settings.mode,

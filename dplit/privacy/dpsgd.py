@@ -114,6 +114,7 @@ class DPSGD:
         self._clip_bound: QuantileClipBound | None = None
         self._restored_clip_bound: dict[str, Any] = {}
         self._unclipped = 0.0  # this step's centred count Σ(1[‖g‖ ≤ C_t] − ½) on this rank (private until noised)
+        self._counting_open = False  # True while the before-noise hooks run: count_units may add to the count
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
@@ -198,9 +199,15 @@ class DPSGD:
     def count_units(self, norms: Tensor) -> None:
         """Count units that join this step outside the engine (an audit's canaries) in quantile mode's noisy count.
 
-        Call it from a before-noise hook, on the rank that adds those units to the clipped sum, with their gradient
-        norms: each adds 1[‖g‖ ≤ C_t] − ½ like any clipped example. A no-op in the other modes.
+        Call it from a before-noise hook, on the one rank that adds those units to the clipped sum, with the gradient
+        norm of each unit the engine did not see, once: each adds 1[‖g‖ ≤ C_t] − ½ like any clipped example (counting
+        a unit twice would double its sensitivity). A no-op in the other modes.
+
+        Raises:
+            RuntimeError: called outside a before-noise hook (the count would land in another step or nowhere).
         """
+        if not self._counting_open:
+            raise RuntimeError("DPSGD.count_units is called from a before-noise hook only")
         if self._clip_bound is not None:
             self._unclipped += self._clip_bound.centred_count(norms)
 
@@ -400,7 +407,11 @@ class DPSGD:
     def _noisy_sum(self, *, stop: bool) -> None:
         """Buffer ← Σ over ranks of the clipped sums plus rank 0's noise, and rank 0's stop flag; one all-reduce."""
         buffer = self._started_buffer()
-        _call(self._before_noise, self, buffer.gradients)
+        self._counting_open = True
+        try:
+            _call(self._before_noise, self, buffer.gradients)
+        finally:
+            self._counting_open = False
         buffer.extra.copy_(torch.tensor([float(stop), self._noisy_local_count()]))
         std = self.gradient_noise_multiplier * self.clip_bound  # the claimed C_t, whatever the engine clipped to
         self.world.noisy_sum(buffer, std=std, generator=self._noise_generator)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dplit.audit.calibration import first_step_signal, noise_check, scale_checks
+from dplit.audit.calibration import ROUNDING, first_step_signal, noise_check, scale_checks
 
 
 def readings(*, canaries: int = 2000, steps: int = 20, sample_rate: float = 0.5, sigma: float = 2.0,
@@ -21,31 +21,34 @@ def readings(*, canaries: int = 2000, steps: int = 20, sample_rate: float = 0.5,
     included = torch.rand(canaries, generator=generator) < 0.5  # [m]
     level = torch.randn(canaries, generator=generator, dtype=torch.float64) * 0.3  # [m]: a coordinate's own level
     weight = torch.zeros(canaries, dtype=torch.float64)  # [m]: displacement from the start
-    totals = {key: torch.zeros(canaries, dtype=torch.float64) for key in ("sums", "squares", "sampled_sums", "counts")}
+    totals = {key: torch.zeros(canaries, dtype=torch.float64) for key in ("sums", "squares", "contrast", "contrast2")}
     first = None
-    for _ in range(steps):
+    for step in range(steps):
         sampled = included & (torch.rand(canaries, generator=generator) < sample_rate)  # [m]
         drift = torch.randn(canaries, generator=generator, dtype=torch.float64) * data_std  # [m]
         noisy = torch.randn(canaries, generator=generator, dtype=torch.float64) * sigma * noise  # [m]
         reading = signal * sampled.double() + level + drift + feedback * weight + noisy  # [m]
         weight -= reading
         first = reading if first is None else first
+        earlier = totals["sums"] / step if step else torch.zeros_like(reading)
+        term = (sampled.double() - sample_rate) * (reading - earlier)
+        totals["contrast"] += term
+        totals["contrast2"] += term**2
         totals["sums"] += reading
         totals["squares"] += reading**2
-        totals["sampled_sums"] += torch.where(sampled, reading, 0.0)
-        totals["counts"] += sampled.double()
-    return {"first": first, **totals, "included": included}
+    return {"first": first, **totals, "included": included, "contrast_steps": steps}
 
 
-def checks(data: dict[str, torch.Tensor], *, steps: int = 20, sample_rate: float = 0.5, sigma: float = 2.0) -> list:
-    return scale_checks(data["first"], data["sums"], data["squares"], data["sampled_sums"], data["counts"],
-                        data["included"], steps=steps, sample_rate=sample_rate, noise_multiplier=sigma)  # fmt: skip
+def checks(data: dict, *, steps: int = 20, sample_rate: float = 0.5, sigma: float = 2.0) -> list:
+    return scale_checks(data["first"], data["sums"], data["squares"], data["contrast"], data["contrast2"],
+                        data["included"], steps=steps, contrast_steps=data["contrast_steps"], sample_rate=sample_rate,
+                        noise_multiplier=sigma)  # fmt: skip
 
 
 def test_a_correct_mechanism_passes_both_checks_even_with_the_data_moving_the_coordinates() -> None:
     data = readings(data_std=0.5)
     signal, noise = checks(data)
-    assert signal.passed and noise.passed and "sampled − unsampled" in signal.name
+    assert signal.passed and noise.passed and "sampled contrast" in signal.name
     assert abs(signal.measured - 1) < 0.2 and noise.measured >= 1
 
 
@@ -85,9 +88,30 @@ def test_half_the_noise_fails_the_noise_check() -> None:
 def test_without_noise_draws_or_enough_canaries_fewer_checks_run() -> None:
     data = readings()
     assert len(checks(data, sigma=0.0)) == 1  # no noise claimed: the signal only
-    [signal] = checks(data, steps=1)  # one step: the first-step difference, no noise spread
-    assert "first step" in signal.name
-    unknown = {**data, "counts": torch.zeros_like(data["counts"])}  # not rank 0: the draws are unknown
+    assert len(checks(data, steps=1)) == 1  # one step: no noise spread to read
+    unknown = {**data, "contrast_steps": 0}  # not rank 0: the draws are unknown
     assert "first step" in checks(unknown)[0].name
     one_out = {**data, "included": torch.ones_like(data["included"]).index_fill_(0, torch.tensor([0]), False)}
     assert checks(one_out) == []  # a single excluded canary has no spread: no check rather than NaN
+
+
+def test_strong_pushback_in_a_short_run_does_not_fail_the_sampled_contrast() -> None:
+    """The case a review found: q = 0.5, T = 20, the data pulling a weight back by half its displacement each step."""
+    failures = 0
+    for seed in range(20):
+        data = readings(canaries=500, steps=20, sample_rate=0.5, sigma=0.5, feedback=0.5, seed=seed)
+        failures += not checks(data, sample_rate=0.5, sigma=0.5)[0].passed
+    assert failures == 0
+
+
+def test_few_canaries_widen_the_interval_and_exact_readings_keep_a_rounding_margin() -> None:
+    generator = torch.Generator().manual_seed(3)
+    few_in, many_in = torch.arange(6) < 3, torch.arange(6000) < 3000
+    few = first_step_signal(torch.randn(6, generator=generator, dtype=torch.float64) + few_in, few_in, sample_rate=1.0)
+    many = first_step_signal(torch.randn(6000, generator=generator, dtype=torch.float64) + many_in, many_in,
+                             sample_rate=1.0)  # fmt: skip
+    normal_ratio = (1 / 3) ** 0.5 / (1 / 3000) ** 0.5  # what the widths' ratio would be with normal quantiles, ≈ 32
+    assert (few.high - few.low) / (many.high - many.low) > 3 * normal_ratio  # t with ~4 d.o.f. at 10⁻⁴ is far wider
+    exact = torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64) * (1 - 1e-7)  # float32 rounding of C, no noise
+    check = first_step_signal(exact, exact > 0.5, sample_rate=1.0)
+    assert check.passed and check.high - check.low == pytest.approx(2 * ROUNDING)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
+from opacus.accountants import PRVAccountant
 
 from dplit.audit.bound import correct_guesses
-from dplit.audit.claimed_curve import claimed_least_probability, tabulated_tradeoff
+from dplit.audit.claimed_curve import claimed_least_probability, epsilon_at_least
 from dplit.audit.fdp import gdp_least_probability, refutes
 from dplit.audit.simulation import simulate_white_box
 
@@ -24,11 +26,23 @@ def test_the_pld_curve_of_unsampled_steps_is_the_exact_gaussian_curve_from_below
     assert claimed_least_probability(noise_multiplier=3.0, sample_rate=1.0, steps=20)(POINTS).tolist() == exact.tolist()
 
 
-def test_the_tabulated_tradeoff_is_a_trade_off_function() -> None:
-    alphas, tradeoff = tabulated_tradeoff(noise_multiplier=0.8, sample_rate=0.05, steps=30)
-    assert alphas[0] == 0 and alphas[-1] == 1 and tradeoff[-1] == 0
-    assert (np.diff(tradeoff) <= 1e-15).all()  # decreasing
-    assert (tradeoff <= 1 - alphas + 1e-12).all()  # below the curve of perfect privacy
+def test_the_sampled_curve_reads_as_a_trade_off_function() -> None:
+    least = claimed_least_probability(noise_multiplier=0.8, sample_rate=0.05, steps=30)
+    x = np.linspace(0, 1, 201)
+    values = least(x)
+    assert values[0] == 0 and abs(values[-1] - 1) < 1e-9 and (np.diff(values) >= -1e-15).all()  # increasing
+    assert (values <= x + 1e-12).all()  # never beyond perfect privacy
+    assert least(np.array([5e-4]))[0] > 0  # read near α = 1 too, where the recursion starts
+
+
+@pytest.mark.parametrize(("sigma", "rate", "steps"), [(0.8, 0.05, 60), (1.2, 0.01, 300), (3.0, 1.0, 20)])
+def test_the_least_epsilon_is_just_below_the_accountants(sigma: float, rate: float, steps: int) -> None:
+    """dp-accounting's optimistic PLD ε never exceeds opacus' PRV ε (an upper bound) and is within 5% of it."""
+    least = epsilon_at_least(noise_multiplier=sigma, sample_rate=rate, steps=steps, delta=1e-6)
+    reference = PRVAccountant()
+    reference.history = [(sigma, rate, steps)]
+    upper = reference.get_epsilon(1e-6)
+    assert least <= upper * (1 + 1e-3) and least > 0.95 * upper
 
 
 def guesses_refute(curve, sigma: float, *, k_plus: int, k_minus: int, seed: int) -> bool:
@@ -45,3 +59,18 @@ def test_a_correct_sampled_mechanism_is_not_refuted_and_a_nearly_noiseless_one_i
     for k_plus, k_minus in ((200, 200), (400, 0)):
         assert not any(guesses_refute(curve, 0.8, k_plus=k_plus, k_minus=k_minus, seed=seed) for seed in range(10))
     assert all(guesses_refute(curve, 0.05, k_plus=400, k_minus=0, seed=seed) for seed in range(3))
+
+
+def test_the_audit_fails_an_accountant_that_understates_epsilon() -> None:
+    from types import SimpleNamespace
+
+    from dplit.audit.command import _accounting_check
+
+    strategy = SimpleNamespace(noise_multiplier=1.2, accountant=SimpleNamespace(steps=300, delta=1e-6),
+                               dpsgd=SimpleNamespace(sample_rate=0.01))  # fmt: skip
+    reference = PRVAccountant()
+    reference.history = [(1.2, 0.01, 300)]
+    honest = reference.get_epsilon(1e-6)
+    assert _accounting_check(strategy, honest)["passed"]
+    assert not _accounting_check(strategy, 0.8 * honest)["passed"]
+    assert _accounting_check(SimpleNamespace(**{**vars(strategy), "noise_multiplier": 0.0}), honest) is None
