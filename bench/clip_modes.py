@@ -58,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, default=ROOT / "bench" / "results" / "clip_modes")
     add("--logs", type=Path, default=ROOT / "bench" / "out" / "clip_modes", help="logs (git-ignored)")
     add("--dry-run", action="store_true", help="print each run's dplit command and exit")
+    add("--render", action="store_true", help="only re-render table.md from --out's results.json")
     sst2.add_source_arguments(parser)
     args = parser.parse_args(argv)
     args.accelerator, args.precision, args.lora_lr, args.max_grad_norm = "cpu", "32-true", args.lr, 1.0
@@ -75,6 +76,11 @@ def arm_flags(args: argparse.Namespace) -> dict[str, tuple[float, list[str]]]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every (seed, arm) not yet in results.json, seed by seed; write results.json and table.md."""
     args = parse_args(argv)
+    if args.render:
+        results = json.loads((args.out / "results.json").read_text())
+        (args.out / "table.md").write_text(table(results))
+        print(table(results))
+        return results
     install_stop_handlers()
     sources = sst2.prepare(args)
     arms = arm_flags(args)
@@ -93,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return dplit_args(arm_args, sources, spec, log_dir) + flags
 
     out = args.out / "results.json"
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("seeds", "jobs", "timeout", "dry_run")}
+    settings = {k: str(v) for k, v in vars(args).items() if k not in ("seeds", "jobs", "timeout", "dry_run", "render")}
     previous = json.loads(out.read_text()) if out.is_file() else {}
     kept = [row for row in previous.get("runs", []) if row.get("status") == "ok"]
     if previous and previous.get("settings") != settings:
@@ -162,6 +168,13 @@ def accuracies(results: dict[str, Any]) -> dict[str, dict[int, float]]:
     return by_arm
 
 
+def arm_order(arm: str) -> tuple[int, float]:
+    """Fixed arms by their C, then quantile, then automatic."""
+    if arm.startswith("fixed_C"):
+        return 0, float(arm.removeprefix("fixed_C"))
+    return 1 + ADAPTIVE.index(arm), 0.0
+
+
 def table(results: dict[str, Any]) -> str:
     """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C."""
     by_arm = accuracies(results)
@@ -170,7 +183,7 @@ def table(results: dict[str, Any]) -> str:
         "| arm | seeds | dev acc (mean ± sd) | ε | σ (σ_eff) | final C_t | steps | step time (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for arm, accs in by_arm.items():
+    for arm, accs in sorted(by_arm.items(), key=lambda item: arm_order(item[0])):
         mine = [r for r in rows if r["arm"] == arm]
         clip = [r.get("clip") or {} for r in mine]
         sigma = f"{statistics.fmean(r['noise_multiplier'] for r in mine):.3f}"
@@ -190,7 +203,7 @@ def table(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|",
     ]
     for mode in (m for m in ADAPTIVE if m in by_arm):
-        for fixed in (a for a in by_arm if a.startswith("fixed")):
+        for fixed in sorted((a for a in by_arm if a.startswith("fixed")), key=arm_order):
             seeds = sorted(set(by_arm[mode]) & set(by_arm[fixed]))
             stats = paired_statistics([by_arm[mode][s] - by_arm[fixed][s] for s in seeds])
             ci = "–" if stats["ci"] is None else f"[{stats['ci'][0]:+.1f}, {stats['ci'][1]:+.1f}]"
