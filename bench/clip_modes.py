@@ -28,7 +28,7 @@ from typing import Any
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
 from bench.study.paired import paired_statistics
-from bench.study.record import ROOT, git_info, machine_info, machine_line, mean_std, write_json
+from bench.study.record import git_info, machine_info, machine_line, mean_std, write_json
 from bench.tying.arms import dplit_args
 
 STRATEGY = "--trainer.strategy.init_args."
@@ -43,21 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add = parser.add_argument
     add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     add("--fixed-bounds", type=float, nargs="+", default=[0.01, 0.1, 1.0], help="C of the fixed arms")
-    add("--train-rows", type=int, default=1000, help="the first N rows of SST-2 train")
-    add("--eval-examples", type=int, default=256, help="the first N dev rows")
-    add("--batch-size", type=int, default=8, help="expected rows per Poisson batch")
-    add("--epsilon", type=float, default=8.0)
-    add("--lr", type=float, default=5e-4)
-    add("--max-length", type=int, default=64)
-    add("--eval-batch-size", type=int, default=32)
-    add("--physical-batch-size", type=int, default=16)
-    add("--epochs", type=int, default=1)
-    add("--threads", type=int, default=1, help="torch threads per run")
-    add("--jobs", type=int, default=2, help="runs at once")
-    add("--timeout", type=float, default=2400.0, help="seconds per run")
-    add("--out", type=Path, default=ROOT / "bench" / "results" / "clip_modes")
-    add("--logs", type=Path, default=ROOT / "bench" / "out" / "clip_modes", help="logs (git-ignored)")
-    add("--dry-run", action="store_true", help="print each run's dplit command and exit")
+    sst2.add_study_arguments(parser, name="clip_modes", train_rows=1000, timeout=2400.0)
     add("--render", action="store_true", help="only re-render table.md from --out's results.json")
     sst2.add_source_arguments(parser)
     args = parser.parse_args(argv)

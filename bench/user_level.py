@@ -26,7 +26,7 @@ from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.record import ROOT, git_info, machine_info, machine_line, write_json
+from bench.study.record import git_info, machine_info, machine_line, write_json
 from bench.tying.arms import dplit_args
 from dplit.data.users import synthetic_users
 
@@ -37,24 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.user_level", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add("--train-rows", type=int, default=1024, help="the first N rows of SST-2 train")
-    add("--eval-examples", type=int, default=256, help="the first N dev rows")
+    sst2.add_study_arguments(parser, name="user_level", train_rows=1024, timeout=1800.0)
     add("--most-rows", type=int, default=20, help="synthetic users own 1..N consecutive rows")
     add("--k", type=int, default=4, help="data.max_rows_per_user of the user-level arm")
-    add("--batch-size", type=int, default=8, help="expected rows per batch of the example-level arm")
-    add("--epsilon", type=float, default=8.0)
-    add("--lr", type=float, default=5e-4)
-    add("--max-length", type=int, default=64)
-    add("--eval-batch-size", type=int, default=32)
     add("--max-grad-norm", type=float, default=0.1)
-    add("--physical-batch-size", type=int, default=16)
-    add("--epochs", type=int, default=1)
-    add("--threads", type=int, default=1, help="torch threads per arm")
-    add("--jobs", type=int, default=2, help="arms running at once")
-    add("--timeout", type=float, default=1800.0, help="seconds per arm")
-    add("--out", type=Path, default=ROOT / "bench" / "results" / "user_level")
-    add("--logs", type=Path, default=ROOT / "bench" / "out" / "user_level", help="logs (git-ignored)")
-    add("--dry-run", action="store_true", help="print each arm's dplit command and exit")
     sst2.add_source_arguments(parser)
     args = parser.parse_args(argv)
     args.accelerator, args.precision, args.lora_lr = "cpu", "32-true", args.lr

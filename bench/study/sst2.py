@@ -30,6 +30,33 @@ LABEL_WORDS = {"0": " negative", "1": " positive"}
 TEMPLATE = "Review: {sentence}\nSentiment:"  # as configs/smollm2_sst2_*.yaml: an instruct model's natural prompt
 
 
+def add_study_arguments(parser: argparse.ArgumentParser, *, name: str, train_rows: int, timeout: float) -> None:
+    """The flags every CPU SST-2 study shares: rows, batch, ε, lr, lengths, threads, jobs, folders (``name``'s).
+
+    Args:
+        parser: the study's parser.
+        name: the study's folder name under bench/results and bench/out.
+        train_rows: the default number of SST-2 train rows.
+        timeout: the default seconds per run.
+    """
+    add = parser.add_argument
+    add("--train-rows", type=int, default=train_rows, help="the first N rows of SST-2 train")
+    add("--eval-examples", type=int, default=256, help="the first N dev rows")
+    add("--batch-size", type=int, default=8, help="expected rows per Poisson batch")
+    add("--epsilon", type=float, default=8.0)
+    add("--lr", type=float, default=5e-4)
+    add("--max-length", type=int, default=64)
+    add("--eval-batch-size", type=int, default=32)
+    add("--physical-batch-size", type=int, default=16)
+    add("--epochs", type=int, default=1)
+    add("--threads", type=int, default=1, help="torch threads per run")
+    add("--jobs", type=int, default=2, help="runs at once")
+    add("--timeout", type=float, default=timeout, help="seconds per run")
+    add("--out", type=Path, default=ROOT / "bench" / "results" / name)
+    add("--logs", type=Path, default=ROOT / "bench" / "out" / name, help="logs (git-ignored)")
+    add("--dry-run", action="store_true", help="print each run's dplit command and exit")
+
+
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags choosing the checkpoint and SST-2 (local GGUF and TSVs by default, or the hub)."""
     parser.add_argument("--no-cache", action="store_true",
