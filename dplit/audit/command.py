@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ BOUNDS = {
     "eps_delta": "Steinke, Nasr & Jagielski 2023 (arXiv 2305.08846), (ε, δ) theorem, exact binomial tails",
 }
 SELECTIONS = {
-    "fdp": "one (k₊, k₋) fixed before any score is seen: the best median μ̂ on simulated correct runs of the claimed "
+    "fdp": "one (k₊, k₋) fixed before any score is seen: the best mean μ̂ on simulated correct runs of the claimed "
     "σ, q, steps (no Bonferroni needed)",
     "eps_delta": "best (k₊, k₋) of a grid fixed in advance (0, 1, 2, 5, 10, 20, 50% of m), Bonferroni-adjusted",
 }
@@ -210,58 +211,77 @@ def run_audit(
     if settings.mode == "white_box":
         assert isinstance(strategy, CanaryDPStrategy)
         trainer.fit(model, datamodule=data)
+        claim = ClaimedMechanism.of(strategy)
         canaries = strategy.canaries
         scores, included = canaries.scores, canaries.included
         checks = scale_checks(
             canaries.first_readings, canaries.reading_sums, canaries.reading_squares, canaries.contrast_sums,
             canaries.contrast_squares, included, steps=canaries.steps, contrast_steps=canaries.contrast_steps,
-            sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
-            noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
+            sample_rate=claim.sample_rate, noise_multiplier=claim.gradient_noise_multiplier,
         )  # fmt: skip
     else:
-        canaries = _input_canaries(data, settings, lm=lm)
-        trainer.fit(model, train_dataloaders=_with_canaries(data, canaries), val_dataloaders=data.val_dataloader())
+        inputs = _input_canaries(data, settings, lm=lm)
+        trainer.fit(model, train_dataloaders=_with_canaries(data, inputs), val_dataloaders=data.val_dataloader())
+        claim = ClaimedMechanism.of(strategy)
         model.eval()
-        scores = canaries.scores(
+        scores = inputs.scores(
             model.per_example_loss, data.collate_fn, batch_size=data.eval_batch_size, device=model.device
         )
-        included = canaries.included
-    accountant = strategy.accountant
-    assert accountant is not None
-    plan = _plan(strategy, settings)
-    fdp = gdp_bound(scores, included, k_plus=plan.k_plus, k_minus=plan.k_minus, delta=accountant.delta,
+        included = inputs.included
+    plan = _plan(claim, settings)
+    fdp = gdp_bound(scores, included, k_plus=plan.k_plus, k_minus=plan.k_minus, delta=claim.delta,
                     confidence=settings.confidence)  # fmt: skip
-    eps_delta = audit_bound(scores, included, delta=accountant.delta, confidence=settings.confidence)
-    report = _report(strategy, settings, fdp=fdp, eps_delta=eps_delta, plan=plan, checks=checks,
-                     included=int(included.sum()), claim_refuted=_claim_refuted(strategy, fdp, settings))  # fmt: skip
+    eps_delta = audit_bound(scores, included, delta=claim.delta, confidence=settings.confidence)
+    report = _report(strategy, claim, settings, fdp=fdp, eps_delta=eps_delta, plan=plan, checks=checks,
+                     included=int(included.sum()), claim_refuted=_claim_refuted(claim, fdp, settings))  # fmt: skip
     _record(trainer, report)
     return report
 
 
-def _plan(strategy: DPStrategy, settings: AuditSettings) -> GuessPlan:
+@dataclass(frozen=True)
+class ClaimedMechanism:
+    """What the audited run claims to have released, read once from its strategy after training."""
+
+    noise_multiplier: float
+    """σ, the accounted noise multiplier (0: no noise). Under quantile clipping the gradient's σ_eff is larger, but
+    C_t moves with the noisy count, so only σ is claimed for everything released."""
+    gradient_noise_multiplier: float
+    """σ of the gradient's noise in units of C (σ_eff under quantile clipping): what a canary's reading carries."""
+    sample_rate: float
+    """q (1: full batches)."""
+    steps: int
+    """T, the steps accounted."""
+    delta: float
+    epsilon: float
+    """The accountant's ε for the run (∞ without noise)."""
+
+    @classmethod
+    def of(cls, strategy: DPStrategy) -> ClaimedMechanism:
+        """The claim of a trained ``strategy``."""
+        accountant = strategy.accountant
+        assert accountant is not None
+        return cls(
+            noise_multiplier=strategy.noise_multiplier or 0.0,
+            gradient_noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
+            sample_rate=float(strategy.dpsgd.sample_rate or 1.0), steps=accountant.steps, delta=accountant.delta,
+            epsilon=accountant.epsilon(),
+        )  # fmt: skip
+
+
+def _plan(claim: ClaimedMechanism, settings: AuditSettings) -> GuessPlan:
     """The f-DP guesses, chosen on correct runs of the claimed mechanism simulated before any score is read."""
-    accountant = strategy.accountant
-    assert accountant is not None
     return plan_guesses(
-        canaries=settings.canaries, noise_multiplier=strategy.dpsgd.gradient_noise_multiplier,
-        sample_rate=float(strategy.dpsgd.sample_rate or 1.0), steps=accountant.steps, delta=accountant.delta,
-        confidence=settings.confidence,
+        canaries=settings.canaries, noise_multiplier=claim.gradient_noise_multiplier, sample_rate=claim.sample_rate,
+        steps=claim.steps, delta=claim.delta, confidence=settings.confidence,
     )  # fmt: skip
 
 
-def _claim_refuted(strategy: DPStrategy, fdp: GdpBound, settings: AuditSettings) -> bool:
-    """Whether the f-DP guesses refute the claimed mechanism's own curve (σ, q, T) at the stated confidence.
-
-    σ is the accounted one (under quantile clipping the gradient's σ_eff is larger, but C_t moves with the noisy
-    count, so only σ is claimed for everything released).
-    """
-    sigma = strategy.noise_multiplier or 0.0
-    accountant = strategy.accountant
-    assert accountant is not None
-    if sigma <= 0:  # no noise: nothing is claimed
+def _claim_refuted(claim: ClaimedMechanism, fdp: GdpBound, settings: AuditSettings) -> bool:
+    """Whether the f-DP guesses refute the claimed mechanism's own curve (σ, q, T) at the stated confidence."""
+    if claim.noise_multiplier <= 0:  # no noise: nothing is claimed
         return False
-    curve = claimed_least_probability(noise_multiplier=sigma, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
-                                      steps=accountant.steps)  # fmt: skip
+    curve = claimed_least_probability(noise_multiplier=claim.noise_multiplier, sample_rate=claim.sample_rate,
+                                      steps=claim.steps)  # fmt: skip
     refuted = refutes(curve, canaries=settings.canaries, guesses=np.array([fdp.k_plus + fdp.k_minus]),
                       correct=np.array([fdp.correct]), level=1 - settings.confidence)  # fmt: skip
     return bool(refuted[0])
@@ -271,16 +291,13 @@ ACCOUNTING_SLACK = 1e-3
 """Relative room for the discretisation of dp-accounting's optimistic estimate."""
 
 
-def _accounting_check(strategy: DPStrategy, claimed: float) -> dict[str, Any] | None:
+def _accounting_check(claim: ClaimedMechanism) -> dict[str, Any] | None:
     """The claimed ε against the least ε of the run's σ, q and steps (``None`` without noise)."""
-    accountant = strategy.accountant
-    assert accountant is not None
-    sigma = strategy.noise_multiplier or 0.0
-    if sigma <= 0 or not math.isfinite(claimed):
+    if claim.noise_multiplier <= 0 or not math.isfinite(claim.epsilon):
         return None
-    least = epsilon_at_least(noise_multiplier=sigma, sample_rate=float(strategy.dpsgd.sample_rate or 1.0),
-                             steps=accountant.steps, delta=accountant.delta)  # fmt: skip
-    return {"epsilon_at_least": least, "passed": claimed >= least * (1 - ACCOUNTING_SLACK)}
+    least = epsilon_at_least(noise_multiplier=claim.noise_multiplier, sample_rate=claim.sample_rate,
+                             steps=claim.steps, delta=claim.delta)  # fmt: skip
+    return {"epsilon_at_least": least, "passed": claim.epsilon >= least * (1 - ACCOUNTING_SLACK)}
 
 
 class PowerCheck(Callback):
@@ -335,26 +352,23 @@ def _with_canaries(data: Any, canaries: InputCanaries) -> DataLoader:
 
 
 def _report(
-    strategy: DPStrategy, settings: AuditSettings, *, fdp: GdpBound, eps_delta: AuditBound, plan: GuessPlan,
-    checks: list[ScaleCheck], included: int, claim_refuted: bool,
+    strategy: DPStrategy, claim: ClaimedMechanism, settings: AuditSettings, *, fdp: GdpBound, eps_delta: AuditBound,
+    plan: GuessPlan, checks: list[ScaleCheck], included: int, claim_refuted: bool,
 ) -> dict[str, Any]:  # fmt: skip
-    accountant = strategy.accountant
-    assert accountant is not None
-    claimed = accountant.epsilon()
+    claimed = claim.epsilon
     headline = fdp.epsilon if settings.analysis == "fdp" else eps_delta.epsilon
-    sample_rate = float(strategy.dpsgd.sample_rate or 1.0)
-    sigma = strategy.dpsgd.gradient_noise_multiplier
-    claimed_mu = dpsgd_mu(noise_multiplier=sigma, sample_rate=sample_rate, steps=accountant.steps)
+    claimed_mu = dpsgd_mu(noise_multiplier=claim.gradient_noise_multiplier, sample_rate=claim.sample_rate,
+                          steps=claim.steps)  # fmt: skip
     return {
         "epsilon_lower_bound": headline,
         "analysis": settings.analysis,
         "claimed_epsilon": claimed if math.isfinite(claimed) else None,
-        "delta": accountant.delta,
+        "delta": claim.delta,
         "confidence": settings.confidence,
         "violation": claim_refuted if settings.analysis == "fdp" else headline > claimed,
         "claimed_curve_refuted": claim_refuted,
-        "accounting_check": _accounting_check(strategy, claimed),
-        "claimed_curve": "exact G_μ, μ = √T/σ" if sample_rate >= 1 else "dp-accounting PLD of the Poisson-subsampled "
+        "accounting_check": _accounting_check(claim),
+        "claimed_curve": "exact G_μ, μ = √T/σ" if claim.sample_rate >= 1 else "dp-accounting PLD of the Poisson-subsampled "
         "Gaussian (σ, q, T), pessimistic, read from below",
         "mode": settings.mode,
         "canaries": settings.canaries,
@@ -363,9 +377,9 @@ def _report(
         "eps_delta": {**vars(eps_delta), "bound": BOUNDS["eps_delta"], "selection": SELECTIONS["eps_delta"]},
         "plan": vars(plan),
         "claimed_mu": claimed_mu if math.isfinite(claimed_mu) else None,
-        "claimed_mu_is": "exact (√T/σ)" if sample_rate >= 1 else "CLT approximation q·√(T(e^{1/σ²} − 1))",
+        "claimed_mu_is": "exact (√T/σ)" if claim.sample_rate >= 1 else "CLT approximation q·√(T(e^{1/σ²} − 1))",
         "checks": [{**vars(check), "line": check.line()} for check in checks],
-        "steps": accountant.steps,
+        "steps": claim.steps,
         "noise_multiplier": strategy.noise_multiplier,
         "max_grad_norm": strategy.max_grad_norm,
         "sample_rate": strategy.dpsgd.sample_rate,

@@ -62,15 +62,15 @@ def test_a_correct_sampled_mechanism_is_not_refuted_and_a_nearly_noiseless_one_i
 
 
 def test_the_audit_fails_an_accountant_that_understates_epsilon() -> None:
-    from types import SimpleNamespace
+    from dataclasses import replace
 
-    from dplit.audit.command import _accounting_check
+    from dplit.audit.command import ClaimedMechanism, _accounting_check
 
-    strategy = SimpleNamespace(noise_multiplier=1.2, accountant=SimpleNamespace(steps=300, delta=1e-6),
-                               dpsgd=SimpleNamespace(sample_rate=0.01))  # fmt: skip
     reference = PRVAccountant()
     reference.history = [(1.2, 0.01, 300)]
     honest = reference.get_epsilon(1e-6)
-    assert _accounting_check(strategy, honest)["passed"]
-    assert not _accounting_check(strategy, 0.8 * honest)["passed"]
-    assert _accounting_check(SimpleNamespace(**{**vars(strategy), "noise_multiplier": 0.0}), honest) is None
+    claim = ClaimedMechanism(noise_multiplier=1.2, gradient_noise_multiplier=1.2, sample_rate=0.01, steps=300,
+                             delta=1e-6, epsilon=honest)  # fmt: skip
+    assert _accounting_check(claim)["passed"]
+    assert not _accounting_check(replace(claim, epsilon=0.8 * honest))["passed"]
+    assert _accounting_check(replace(claim, noise_multiplier=0.0)) is None
