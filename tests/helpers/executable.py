@@ -37,6 +37,15 @@ def user_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES and not key.startswith("PL_")}
 
 
+def sigint_as_at_a_terminal() -> None:
+    """Give SIGINT its default action in a child about to start (``preexec_fn``): Ctrl-C raises KeyboardInterrupt.
+
+    A test run started in the background (``cmd &`` in a script, as a CI runner may) ignores SIGINT, its children
+    inherit that, and Python then never raises KeyboardInterrupt: a test that sends Ctrl-C would wait forever.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_dplit(*args: str, environment: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real ``dplit`` with ``args`` in :func:`user_environment` (or ``environment``), capturing its output."""
     return subprocess.run(

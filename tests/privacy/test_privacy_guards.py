@@ -21,7 +21,7 @@ from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from tests.helpers.commands import quickstart_args, steps
-from tests.helpers.executable import dplit_executable, user_environment
+from tests.helpers.executable import dplit_executable, sigint_as_at_a_terminal, user_environment
 from tests.helpers.fitting import CrashAtStep, fit, make_model
 from tests.helpers.tiny import RandomTokenData
 
@@ -198,7 +198,7 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
                "--trainer.max_steps", "200", "--trainer.max_epochs", "100",  # never done before the interrupt
                "--trainer.limit_val_batches", "0")]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=user_environment(), preexec_fn=_sigint_as_at_a_terminal)
+                               env=user_environment(), preexec_fn=sigint_as_at_a_terminal)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         ledgers = list(tmp_path.rglob("privacy_ledger.json"))
@@ -213,15 +213,6 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
     assert _steps(saved["dplit_privacy"]) == counted >= 2
     assert saved["global_step"] in (counted - 1, counted)  # Ctrl-C during an optimizer update: that step is counted
     assert re.search(rf"dplit: WARNING: DP-SGD: training stopped by KeyboardInterrupt after {counted} DP steps", output)
-
-
-def _sigint_as_at_a_terminal() -> None:
-    """SIGINT's default action in the child.
-
-    A test run started in the background (``cmd &`` in a script, as a CI runner may) ignores SIGINT, its children
-    inherit that, and Python then never raises KeyboardInterrupt.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _steps(ledger: dict[str, Any]) -> int:
