@@ -70,6 +70,9 @@ def test_real_smollm2_takes_a_private_step_on_real_sst2(
         "--trainer.precision", "32-true",
         "--trainer.enable_progress_bar", "false",
         *steps(1),
+        # a step is what this tests: no validation, no checkpoint (two 0.5 GB files; export tests write one)
+        "--trainer.limit_val_batches", "0", "--trainer.enable_checkpointing", "false",
+        "--trainer.callbacks", '[{"class_path": "dplit.callbacks.ResourceMonitor"}]',
         "--data.max_train_examples", "64",
         "--data.max_eval_examples", "4",
         "--data.batch_size", "8",  # q = 1/8: a Poisson batch of 64 rows is empty with probability 2e-4, not 2%

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,32 +30,28 @@ def ledger_steps(run: Path) -> int:
     return history_steps(json.loads(ledger.read_text())["accountant"]["history"])
 
 
-def test_a_two_process_sharded_fit_trains_resumes_with_its_ledger_and_exports(tmp_path: Path) -> None:
-    first = run_dplit("fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "1"))
+def test_a_two_process_sharded_fit_trains_resumes_on_either_world_size_with_its_ledger_and_exports(
+    tmp_path: Path,
+) -> None:
+    """Saved whole (not per rank): the checkpoint of two processes resumes on two and, copied, on one; steps once."""
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    first = run_dplit("fit", *quickstart_args(run, *SHARDED, "--trainer.max_epochs", "1"))
     assert first.returncode == 0, first.stderr[-3000:]
-    assert ledger_steps(tmp_path) == 2 and "after 2 DP steps" in first.stdout
+    assert ledger_steps(run) == 2 and "after 2 DP steps" in first.stdout
+    shutil.copytree(run, copy)
     resumed = run_dplit(
-        "fit",
-        *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "2"),
-        "--ckpt_path",
-        str(checkpoint_of(tmp_path)),
+        "fit", *quickstart_args(run, *SHARDED, "--trainer.max_epochs", "2"), "--ckpt_path", str(checkpoint_of(run))
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ledger_steps(tmp_path) == 4 and "after 4 DP steps" in resumed.stdout  # the checkpoint's 2 counted once
-    exported = run_dplit("export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "out"))
+    assert ledger_steps(run) == 4 and "after 4 DP steps" in resumed.stdout  # the checkpoint's 2 counted once
+    exported = run_dplit("export", "--ckpt_path", str(checkpoint_of(run)), "--output_dir", str(tmp_path / "out"))
     assert exported.returncode == 0, exported.stderr[-3000:]
     guarantee = json.loads((tmp_path / "out" / GUARANTEE_FILE).read_text())
     assert guarantee["steps"] == 4, guarantee
-
-
-def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path: Path) -> None:
-    """Saved whole (not per rank): two processes' checkpoint resumes on one, and its steps are counted once."""
-    first = run_dplit("fit", *quickstart_args(tmp_path, *SHARDED, "--trainer.max_epochs", "1"))
-    assert first.returncode == 0, first.stderr[-3000:]
     one = [*SHARDED, "--trainer.devices", "1", "--trainer.max_epochs", "2"]
-    resumed = run_dplit("fit", *quickstart_args(tmp_path, *one), "--ckpt_path", str(checkpoint_of(tmp_path)))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert ledger_steps(tmp_path) == 4 and "after 4 DP steps" in resumed.stdout
+    alone = run_dplit("fit", *quickstart_args(copy, *one), "--ckpt_path", str(checkpoint_of(copy)))
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert ledger_steps(copy) == 4 and "after 4 DP steps" in alone.stdout
 
 
 def test_a_two_process_sharded_language_model_fit(tmp_path: Path) -> None:
