@@ -7,8 +7,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import datasets
-from datasets.exceptions import DatasetNotFoundError
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -130,6 +128,9 @@ class GlueDataModule(LightningDataModule):
         Refuses in one line when the hub cannot give it.
         """
         if self.task != "synthetic" and self.data_dir is None:
+            import datasets  # here, not at the top: it costs every ``dplit`` process ~1 s of imports (pandas, arrow)
+            from datasets.exceptions import DatasetNotFoundError
+
             try:
                 datasets.load_dataset(HUB_DATASET, self.task)
             except (ConnectionError, DatasetNotFoundError):

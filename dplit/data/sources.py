@@ -9,9 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
-from datasets.exceptions import DatasetNotFoundError
-
 from dplit.backbone.causal_lm import unloadable_message
 from dplit.data.tasks import TaskSpec
 
@@ -49,6 +46,8 @@ def load_hub_split(spec: TaskSpec, split: str, limit: int | None = None) -> Text
     Returns:
         The split.
     """
+    import datasets  # imported where the hub is used: it costs every ``dplit`` process ~1 s (pandas, arrow)
+
     dataset = datasets.load_dataset(HUB_DATASET, spec.name)[split]
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
@@ -69,6 +68,9 @@ def load_hub_dataset(name: str, flag: str, *args: Any, **options: Any) -> Any:
         ValueError: naming ``flag`` when the hub is unreachable (offline) and the dataset is not cached, or the
             hub has no such dataset (or it is private).
     """
+    import datasets
+    from datasets.exceptions import DatasetNotFoundError
+
     try:
         return datasets.load_dataset(name, *args, **options)
     except (ConnectionError, DatasetNotFoundError) as error:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
-import datasets
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -34,6 +33,9 @@ from dplit.data.users import (
     user_indices,
     warn_dominant_user,
 )
+
+if TYPE_CHECKING:
+    import datasets
 
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
