@@ -63,7 +63,7 @@ def grid_table(rows: list[dict[str, Any]], setup: str) -> list[str]:
 def noise_off_line(rows: list[dict[str, Any]]) -> list[str]:
     """How close the white-box noise-off run comes to the most m canaries can show.
 
-    Three references: a perfect observer of the same sampling (the plan's simulated noise-off runs: under Poisson
+    Three references: the planned guesses on simulated noise-off runs of the same sampling (under Poisson
     sampling an included canary that is never sampled is released exactly as an excluded one), the plan's guesses
     all right, and all m guesses right.
     """
@@ -81,8 +81,8 @@ def noise_off_line(rows: list[dict[str, Any]]) -> list[str]:
                        report["delta"])  # fmt: skip
     got, ceiling, observer = (report["fdp"]["epsilon"], report["plan"]["ceiling_epsilon"],
                               report["plan"]["expected_epsilon"])  # fmt: skip
-    return [f"Without noise (white-box): f-DP ε̂ = {got:.2f}: {got / observer:.0%} of the {observer:.2f} that a "
-            f"perfect observer of this sampling shows (simulated noise-off runs, same m, q and steps), "
+    return [f"Without noise (white-box): f-DP ε̂ = {got:.2f}: {got / observer:.0%} of the {observer:.2f} that its "
+            f"guesses show on simulated noise-off runs of this sampling (no data; same m, q and steps), "
             f"{got / ceiling:.0%} of what its planned {report['fdp']['k_plus']} + {report['fdp']['k_minus']} guesses "
             f"can show ({ceiling:.2f}), {got / most:.0%} of the {most:.2f} that all m = {m:,} guesses right would "
             "show."]

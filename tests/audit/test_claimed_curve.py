@@ -74,3 +74,20 @@ def test_the_audit_fails_an_accountant_that_understates_epsilon() -> None:
     assert _accounting_check(claim)["passed"]
     assert not _accounting_check(replace(claim, epsilon=0.8 * honest))["passed"]
     assert _accounting_check(replace(claim, noise_multiplier=0.0)) is None
+
+
+def test_the_claim_reads_the_accounted_sigma_for_the_curve_and_the_gradients_sigma_for_the_readings() -> None:
+    """Under quantile clipping σ_eff > σ: the verdict and accounting use σ, the plan and the scale checks σ_eff."""
+    from types import SimpleNamespace
+
+    from dplit.audit.command import ClaimedMechanism
+
+    accountant = SimpleNamespace(steps=30, delta=1e-5, epsilon=lambda: 3.5)
+    full = SimpleNamespace(noise_multiplier=1.0, accountant=accountant,
+                           dpsgd=SimpleNamespace(gradient_noise_multiplier=1.3, sample_rate=None))  # fmt: skip
+    claim = ClaimedMechanism.of(full)
+    assert claim == ClaimedMechanism(noise_multiplier=1.0, gradient_noise_multiplier=1.3, sample_rate=1.0, steps=30,
+                                     delta=1e-5, epsilon=3.5)  # fmt: skip
+    sampled = SimpleNamespace(**{**vars(full), "noise_multiplier": None,
+                                 "dpsgd": SimpleNamespace(gradient_noise_multiplier=0.0, sample_rate=0.02)})  # fmt: skip
+    assert ClaimedMechanism.of(sampled).noise_multiplier == 0.0 and ClaimedMechanism.of(sampled).sample_rate == 0.02

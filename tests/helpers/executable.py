@@ -37,13 +37,19 @@ def user_environment() -> dict[str, str]:
     return {key: value for key, value in os.environ.items() if key not in _LAUNCH_VARIABLES and not key.startswith("PL_")}
 
 
-def sigint_as_at_a_terminal() -> None:
-    """Give SIGINT its default action in a child about to start (``preexec_fn``): Ctrl-C raises KeyboardInterrupt.
+def popen_receiving_ctrl_c(command: list[str], **options: Any) -> subprocess.Popen[str]:
+    """``subprocess.Popen(command, **options)`` of a child in which Ctrl-C (SIGINT) raises KeyboardInterrupt.
 
     A test run started in the background (``cmd &`` in a script, as a CI runner may) ignores SIGINT, its children
-    inherit that, and Python then never raises KeyboardInterrupt: a test that sends Ctrl-C would wait forever.
+    inherit that, and Python then never raises KeyboardInterrupt: a test that sends Ctrl-C would wait forever. While
+    the child starts, this process catches SIGINT (Python's own handler), and a caught signal is reset to its default
+    action by ``exec``; no code runs between fork and exec (``preexec_fn`` is unsafe in a threaded process).
     """
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(command, **options)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_dplit(*args: str, environment: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -21,7 +21,7 @@ from dplit.privacy.ledger import history_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.strategy import INTERRUPT_CHECKPOINT, DPStrategy
 from tests.helpers.commands import quickstart_args, steps
-from tests.helpers.executable import dplit_executable, sigint_as_at_a_terminal, user_environment
+from tests.helpers.executable import dplit_executable, popen_receiving_ctrl_c, user_environment
 from tests.helpers.fitting import CrashAtStep, fit, make_model
 from tests.helpers.tiny import RandomTokenData
 
@@ -197,8 +197,8 @@ def test_ctrl_c_at_the_terminal_keeps_every_step_in_a_checkpoint(tmp_path: Path)
     command = [dplit_executable(), "fit", *quickstart_args(tmp_path, *sigma,
                "--trainer.max_steps", "200", "--trainer.max_epochs", "100",  # never done before the interrupt
                "--trainer.limit_val_batches", "0")]  # fmt: skip
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=user_environment(), preexec_fn=sigint_as_at_a_terminal)
+    process = popen_receiving_ctrl_c(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=user_environment())
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and process.poll() is None:
         ledgers = list(tmp_path.rglob("privacy_ledger.json"))

@@ -28,7 +28,7 @@ from dplit.release.generate import (
     write_samples,
 )
 from tests.helpers.commands import checkpoint_of, lm_args
-from tests.helpers.executable import dplit_executable, run_dplit, sigint_as_at_a_terminal, user_environment
+from tests.helpers.executable import dplit_executable, popen_receiving_ctrl_c, run_dplit, user_environment
 
 PROMPTS = [{"prompt": "the movie is", "label": 1}, {"prompt": "this actress seems so very", "label": 0}]
 
@@ -229,8 +229,8 @@ def interrupted(command: list[str], started: Callable[[], bool], **variables: st
 
     ``variables`` are added to its environment; stdout and stderr come back together.
     """
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**user_environment(), **variables}, preexec_fn=sigint_as_at_a_terminal)  # fmt: skip
+    process = popen_receiving_ctrl_c(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**user_environment(), **variables})  # fmt: skip
     deadline = time.monotonic() + 300
     while not started() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
