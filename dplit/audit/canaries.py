@@ -26,7 +26,8 @@ def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_ra
     An included canary adds 1 with probability q, and the noise adds N(0, σ²): the step's likelihood ratio is
     1 − q + q·exp((2x − 1) / (2σ²)). Steps are independent given membership, so the sum of these logs over the steps
     is the Neyman-Pearson optimal statistic for a Dirac canary (for q = 1 it is affine in Σx, the running sum the
-    (ε, δ) audit used). Without noise any ordering is optimal: the score is x.
+    (ε, δ) audit used). Without noise any ordering of the count of inclusions is optimal: the score is x (the
+    simulated runs' score; on a real model's readings :class:`GradientCanaries` uses :func:`noiseless_step_score`).
 
     Args:
         observed: the released noisy sum at each canary's coordinate, divided by the step's C [m] (float64).
@@ -39,6 +40,21 @@ def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_ra
     if sample_rate >= 1:
         return shift
     return torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))
+
+
+def noiseless_step_score(rise: Tensor) -> Tensor:
+    """How much one step's rise of a canary's reading looks like one inclusion, without noise: 1 − 2·|rise − 1|, ≥ 0.
+
+    Without noise an included, sampled canary lifts its coordinate by exactly 1 (in units of C) above what the
+    real examples' gradients put there. Those drift slowly, so the rise is read against the canary's own earlier
+    level: a rise of 1 scores 1, one of ½ or 3/2 or further from 1 scores 0. On drift-free readings the sum over
+    steps is the number of inclusions, the plain sum the plan simulates; on a real model one out canary whose
+    coordinate the data push up by about one C over the run no longer outranks a canary sampled once.
+
+    Args:
+        rise: the step's reading minus the canary's earlier level, in units of C [m].
+    """
+    return (1 - 2 * (rise - 1).abs()).clamp(min=0)
 
 
 class GradientCanaries:
@@ -69,6 +85,9 @@ class GradientCanaries:
         self.contrast_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.contrast_steps = 0
         self.steps = 0
+        self.quiet_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self.quiet_counts = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        """Each canary's readings that looked like no inclusion, and how many: its level (the noiseless score)."""
         self.sampled_last_step = 0
         self._drawn: Tensor | None = None
 
@@ -109,7 +128,10 @@ class GradientCanaries:
             sample_rate: q.
         """
         reading = released[self.coordinates.to(released.device)].double().cpu() / clip_bound  # [m]
-        self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+        if noise_multiplier <= 0 and sample_rate < 1:
+            self._score_noiseless(reading)
+        else:
+            self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
         if self._drawn is not None:  # where the canaries were added (rank 0): which readings carry one
             earlier = self.reading_sums / self.steps if self.steps else torch.zeros_like(reading)  # [m]
             term = (self._drawn.double() - sample_rate) * (reading - earlier)  # [m]
@@ -122,6 +144,20 @@ class GradientCanaries:
         if self.first_readings is None:
             self.first_readings = reading
         self.steps += 1
+
+
+    def _score_noiseless(self, reading: Tensor) -> None:
+        """Without noise and with sampling: add :func:`noiseless_step_score` of the rise above the canary's level.
+
+        The level is the mean of the canary's earlier readings that did not look like an inclusion (0 before any).
+        In full batches every included canary rises at every step, so there the score stays the plain sum.
+        """
+        level = self.quiet_sums / self.quiet_counts.clamp(min=1)  # [m]
+        step = noiseless_step_score(reading - level)  # [m]
+        self.scores += step
+        quiet = step < 0.5  # [m]
+        self.quiet_sums += torch.where(quiet, reading, torch.zeros_like(reading))
+        self.quiet_counts += quiet.double()
 
 
 class InputCanaries:

@@ -151,6 +151,25 @@ def test_the_white_box_score_is_the_log_likelihood_ratio_of_the_gaussian_mixture
     assert torch.equal(white_box_step_score(x, noise_multiplier=0.0, sample_rate=0.1), x)
 
 
+def test_without_noise_a_sampled_canary_outranks_an_excluded_one_whose_coordinate_the_data_push_up() -> None:
+    """σ = 0, q < 1: the score counts rises of about one C above the canary's own level, not the drift's sum."""
+    from dplit.audit.canaries import GradientCanaries
+
+    generator = torch.Generator().manual_seed(3)
+    steps, sampled_at = 60, torch.tensor([[5, 6, 40], [30, -1, -1], [-1, -1, -1]])  # [3 canaries, inclusions]
+    drift = torch.stack([
+        torch.zeros(steps),  # no data at this coordinate
+        0.1 * torch.randn(steps, generator=generator, dtype=torch.float64),  # the data's step-to-step noise
+        torch.linspace(0.0, 0.05, steps) + 0.1 * torch.randn(steps, generator=generator, dtype=torch.float64),
+    ]).double()  # [3, T]: the third canary is out, its coordinate pushed up by the data, 1.5 C over the run
+    canaries = GradientCanaries(coordinates=torch.arange(3), included=torch.tensor([True, True, False]), norm=1.0)
+    for step in range(steps):
+        reading = drift[:, step] + (sampled_at == step).any(dim=1).double()  # [3]
+        canaries.observe(reading, clip_bound=1.0, noise_multiplier=0.0, sample_rate=0.05)
+    assert canaries.scores[0] == 3 and canaries.scores[1] > 0.5 > canaries.scores[2]
+    assert canaries.reading_sums[2] > canaries.reading_sums[1]  # the plain sum would rank the excluded one higher
+
+
 # soundness: the exact Gaussian mechanism, simulated
 
 
