@@ -42,19 +42,30 @@ def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_ra
     return torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))
 
 
-def noiseless_step_score(rise: Tensor) -> Tensor:
-    """How much one step's rise of a canary's reading looks like one inclusion, without noise: 1 − 2·|rise − 1|, ≥ 0.
+NOISELESS_SCALE_FLOOR = 1e-3
+"""The least spread (in units of C) a canary's readings are scored at without noise: a coordinate the data never
+touch has none, and its inclusions then simply dominate the ranking."""
 
-    Without noise an included, sampled canary lifts its coordinate by exactly 1 (in units of C) above what the
-    real examples' gradients put there. Those drift slowly, so the rise is read against the canary's own earlier
-    level: a rise of 1 scores 1, one of ½ or 3/2 or further from 1 scores 0. On drift-free readings the sum over
-    steps is the number of inclusions, the plain sum the plan simulates; on a real model one out canary whose
-    coordinate the data push up by about one C over the run no longer outranks a canary sampled once.
+
+def noiseless_scores(readings: Tensor, *, sample_rate: float) -> Tensor:
+    """Each canary's score from all its readings of a run without noise in sampled batches [m].
+
+    Without noise the only thing besides the canary at its coordinate is the real examples' gradients there. They
+    act as noise of the coordinate's own level and spread, so each canary's readings are centred on their median and
+    scaled by their spread (1.4826 × the median absolute deviation, at least :data:`NOISELESS_SCALE_FLOOR`), both
+    robust to the few steps (about q·T) in which it was sampled, and scored by :func:`white_box_step_score` at that
+    spread. On drift-free readings this orders canaries by their number of inclusions, as the plan's simulated sum
+    does; on a real model a canary whose coordinate the data move by about one C no longer outranks one sampled once.
 
     Args:
-        rise: the step's reading minus the canary's earlier level, in units of C [m].
+        readings: every step's reading of every canary, in units of C [T, m].
+        sample_rate: q (below 1: in full batches every included canary rises at every step, so the plain sum is used).
     """
-    return (1 - 2 * (rise - 1).abs()).clamp(min=0)
+    rise = readings - readings.median(dim=0).values  # [T, m]
+    scale = (1.4826 * rise.abs().median(dim=0).values).clamp(min=NOISELESS_SCALE_FLOOR)  # [m]
+    shift = (2 * rise - 1) / (2 * scale**2)  # [T, m]: as white_box_step_score's, at the coordinate's own spread
+    steps = torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))  # [T, m]
+    return steps.sum(dim=0)
 
 
 class GradientCanaries:
@@ -77,7 +88,7 @@ class GradientCanaries:
         self.coordinates = coordinates
         self.included = included
         self.norm = norm
-        self.scores = torch.zeros(coordinates.shape[0], dtype=torch.float64)
+        self._step_scores = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.reading_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.reading_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.first_readings: Tensor | None = None
@@ -85,9 +96,9 @@ class GradientCanaries:
         self.contrast_squares = torch.zeros(coordinates.shape[0], dtype=torch.float64)
         self.contrast_steps = 0
         self.steps = 0
-        self.quiet_sums = torch.zeros(coordinates.shape[0], dtype=torch.float64)
-        self.quiet_counts = torch.zeros(coordinates.shape[0], dtype=torch.float64)
-        """Each canary's readings that looked like no inclusion, and how many: its level (the noiseless score)."""
+        self._noiseless_readings: list[Tensor] = []
+        """Every step's readings [m] of a run without noise in sampled batches, scored once at the end."""
+        self._sample_rate = 1.0
         self.sampled_last_step = 0
         self._drawn: Tensor | None = None
 
@@ -113,6 +124,13 @@ class GradientCanaries:
         self.sampled_last_step = int(sampled.numel())
         return self.sampled_last_step
 
+    @property
+    def scores(self) -> Tensor:
+        """Each canary's score [m]: the sum of its steps' likelihood ratios, or :func:`noiseless_scores` without noise."""
+        if self._noiseless_readings:
+            return noiseless_scores(torch.stack(self._noiseless_readings), sample_rate=self._sample_rate)  # [T, m] in
+        return self._step_scores
+
     def observe(self, released: Tensor, *, clip_bound: float, noise_multiplier: float, sample_rate: float) -> None:
         """Read the released noisy sum at each canary's coordinate, in units of the step's C, and score it.
 
@@ -129,9 +147,10 @@ class GradientCanaries:
         """
         reading = released[self.coordinates.to(released.device)].double().cpu() / clip_bound  # [m]
         if noise_multiplier <= 0 and sample_rate < 1:
-            self._score_noiseless(reading)
+            self._noiseless_readings.append(reading)
+            self._sample_rate = sample_rate
         else:
-            self.scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+            self._step_scores += white_box_step_score(reading, noise_multiplier=noise_multiplier, sample_rate=sample_rate)
         if self._drawn is not None:  # where the canaries were added (rank 0): which readings carry one
             earlier = self.reading_sums / self.steps if self.steps else torch.zeros_like(reading)  # [m]
             term = (self._drawn.double() - sample_rate) * (reading - earlier)  # [m]
@@ -144,20 +163,6 @@ class GradientCanaries:
         if self.first_readings is None:
             self.first_readings = reading
         self.steps += 1
-
-
-    def _score_noiseless(self, reading: Tensor) -> None:
-        """Without noise and with sampling: add :func:`noiseless_step_score` of the rise above the canary's level.
-
-        The level is the mean of the canary's earlier readings that did not look like an inclusion (0 before any).
-        In full batches every included canary rises at every step, so there the score stays the plain sum.
-        """
-        level = self.quiet_sums / self.quiet_counts.clamp(min=1)  # [m]
-        step = noiseless_step_score(reading - level)  # [m]
-        self.scores += step
-        quiet = step < 0.5  # [m]
-        self.quiet_sums += torch.where(quiet, reading, torch.zeros_like(reading))
-        self.quiet_counts += quiet.double()
 
 
 class InputCanaries:

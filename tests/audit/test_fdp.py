@@ -151,23 +151,27 @@ def test_the_white_box_score_is_the_log_likelihood_ratio_of_the_gaussian_mixture
     assert torch.equal(white_box_step_score(x, noise_multiplier=0.0, sample_rate=0.1), x)
 
 
-def test_without_noise_a_sampled_canary_outranks_an_excluded_one_whose_coordinate_the_data_push_up() -> None:
-    """σ = 0, q < 1: the score counts rises of about one C above the canary's own level, not the drift's sum."""
+def test_without_noise_a_sampled_canary_outranks_an_excluded_one_whose_coordinate_the_data_push_around() -> None:
+    """σ = 0, q < 1: each coordinate's readings are scored at their own robust level and spread, not summed."""
     from dplit.audit.canaries import GradientCanaries
 
     generator = torch.Generator().manual_seed(3)
-    steps, sampled_at = 60, torch.tensor([[5, 6, 40], [30, -1, -1], [-1, -1, -1]])  # [3 canaries, inclusions]
-    drift = torch.stack([
-        torch.zeros(steps),  # no data at this coordinate
-        0.1 * torch.randn(steps, generator=generator, dtype=torch.float64),  # the data's step-to-step noise
-        torch.linspace(0.0, 0.05, steps) + 0.1 * torch.randn(steps, generator=generator, dtype=torch.float64),
-    ]).double()  # [3, T]: the third canary is out, its coordinate pushed up by the data, 1.5 C over the run
-    canaries = GradientCanaries(coordinates=torch.arange(3), included=torch.tensor([True, True, False]), norm=1.0)
+    steps = 60
+    sampled_at = torch.tensor([[5, 6, 40], [30, -1, -1], [-1, -1, -1], [12, -1, -1], [-1, -1, -1]])  # [5, ≤ 3]
+    data = 0.3 * torch.randn(steps, generator=generator, dtype=torch.float64)  # [T]: the examples' gradients there
+    pushed = data.clone()
+    pushed[[15, 16]] += 0.75  # the data push this coordinate up by 3/4 of one C, twice
+    drift = torch.stack([torch.zeros(steps), torch.zeros(steps), torch.zeros(steps), data, pushed]).double()  # [5, T]
+    canaries = GradientCanaries(coordinates=torch.arange(5), included=torch.tensor([True, True, False, True, False]),
+                                norm=1.0)  # fmt: skip
     for step in range(steps):
-        reading = drift[:, step] + (sampled_at == step).any(dim=1).double()  # [3]
+        reading = drift[:, step] + (sampled_at == step).any(dim=1).double()  # [5]
         canaries.observe(reading, clip_bound=1.0, noise_multiplier=0.0, sample_rate=0.05)
-    assert canaries.scores[0] == 3 and canaries.scores[1] > 0.5 > canaries.scores[2]
-    assert canaries.reading_sums[2] > canaries.reading_sums[1]  # the plain sum would rank the excluded one higher
+    scores = canaries.scores
+    assert scores[0] > scores[1] > scores[2]  # no data at the coordinate: by the number of inclusions
+    assert scores[3] > scores[4]  # sampled once beats pushed twice by the data
+    assert canaries.reading_sums[4] > canaries.reading_sums[3]  # the plain sum ranks the excluded one higher
+    assert torch.equal(scores, canaries.scores)  # reading the scores changes nothing
 
 
 # soundness: the exact Gaussian mechanism, simulated
