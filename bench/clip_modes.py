@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.paired import paired_statistics
-from bench.study.record import git_info, machine_info, machine_line, mean_std, write_json
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
+from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, write_json
+from bench.study.resume import add_seed_arguments, earlier_sitting, render, study_settings
 from bench.tying.arms import dplit_args
 
 STRATEGY = "--trainer.strategy.init_args."
@@ -41,10 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.clip_modes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     add("--fixed-bounds", type=float, nargs="+", default=[0.01, 0.1, 1.0], help="C of the fixed arms")
     sst2.add_study_arguments(parser, name="clip_modes", train_rows=1000, timeout=2400.0)
-    add("--render", action="store_true", help="only re-render table.md from --out's results.json")
+    add_seed_arguments(parser)
     sst2.add_source_arguments(parser)
     args = parser.parse_args(argv)
     args.accelerator, args.precision, args.lora_lr, args.max_grad_norm = "cpu", "32-true", args.lr, 1.0
@@ -63,10 +62,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run every (seed, arm) not yet in results.json, seed by seed; write results.json and table.md."""
     args = parse_args(argv)
     if args.render:
-        results = json.loads((args.out / "results.json").read_text())
-        (args.out / "table.md").write_text(table(results))
-        print(table(results))
-        return results
+        return render(args.out, table)
     install_stop_handlers()
     sources = sst2.prepare(args)
     arms = arm_flags(args)
@@ -85,11 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return dplit_args(arm_args, sources, spec, log_dir) + flags
 
     out = args.out / "results.json"
-    settings = {k: str(v) for k, v in vars(args).items() if k not in ("seeds", "jobs", "timeout", "dry_run", "render")}
-    previous = json.loads(out.read_text()) if out.is_file() else {}
-    kept = [row for row in previous.get("runs", []) if row.get("status") == "ok"]
-    if previous and previous.get("settings") != settings:
-        raise SystemExit(f"{out} was made with other settings: move it away to start over")
+    settings = study_settings(args)
+    previous, kept = earlier_sitting(args.out, settings)
     done = {row["name"] for row in kept}
     runs = [
         {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "max_grad_norm": arms[arm][0]}
@@ -128,30 +121,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def add_ledger_facts(results: dict[str, Any]) -> dict[str, Any]:
     """Copy each run's clipping facts (mode, final C_t, σ_eff) from its privacy ledger into its row."""
-    for row in results["runs"]:
-        ledger = Path(row.get("log_dir") or "/nonexistent") / "privacy_ledger.json"
-        if "clip" not in row and ledger.is_file():
-            facts = json.loads(ledger.read_text())
-            row["clip"] = {
-                key: facts.get(key)
-                for key in (
-                    "clip_mode",
-                    "clip_bound",
-                    "gradient_noise_multiplier",
-                    "count_noise_multiplier",
-                    "automatic_stability",
-                )
-            }
-    return results
-
-
-def accuracies(results: dict[str, Any]) -> dict[str, dict[int, float]]:
-    """Dev accuracy (in points) of every finished run, by arm and seed."""
-    by_arm: dict[str, dict[int, float]] = {}
-    for row in results["runs"]:
-        if row.get("status") == "ok":
-            by_arm.setdefault(row["arm"], {})[row["seed"]] = 100 * row["val_acc"]
-    return by_arm
+    fields = ("clip_mode", "clip_bound", "gradient_noise_multiplier", "count_noise_multiplier", "automatic_stability")
+    return copy_ledger_facts(results, "clip", fields)
 
 
 def arm_order(arm: str) -> tuple[int, float]:
@@ -163,7 +134,7 @@ def arm_order(arm: str) -> tuple[int, float]:
 
 def table(results: dict[str, Any]) -> str:
     """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C."""
-    by_arm = accuracies(results)
+    by_arm = accuracies(results["runs"])
     rows = [r for r in results["runs"] if r.get("status") == "ok"]
     lines = [
         "| arm | seeds | dev acc (mean ± sd) | ε | σ (σ_eff) | final C_t | steps | step time (s) |",
@@ -185,19 +156,12 @@ def table(results: dict[str, Any]) -> str:
             f"{statistics.fmean(r['step_time_median_s'] for r in mine):.2f} |"
         )
     pairs = [
-        "| adaptive − fixed | paired seeds | mean (points) | 95% CI | sign test (+/−/tie, p) |",
+        "| adaptive − fixed " + PAIRED_COLUMNS,
         "|---|---|---|---|---|",
     ]
     for mode in (m for m in ADAPTIVE if m in by_arm):
         for fixed in sorted((a for a in by_arm if a.startswith("fixed")), key=arm_order):
-            seeds = sorted(set(by_arm[mode]) & set(by_arm[fixed]))
-            stats = paired_statistics([by_arm[mode][s] - by_arm[fixed][s] for s in seeds])
-            ci = "–" if stats["ci"] is None else f"[{stats['ci'][0]:+.1f}, {stats['ci'][1]:+.1f}]"
-            sign = stats["sign_test"]
-            pairs.append(
-                f"| {mode} − {fixed} | {stats['n']} | {stats['mean']:+.1f} | {ci} | "
-                f"{sign['positive']}/{sign['negative']}/{sign['ties']}, {sign['p']:.2f} |"
-            )
+            pairs.append(paired_row(f"{mode} − {fixed}", by_arm[mode], by_arm[fixed]))
     s = results["settings"]
     return "\n".join(
         [

@@ -1,8 +1,9 @@
 """Example-level vs user-level DP-SGD on real SST-2 with SmolLM2-135M-Instruct (issue 36's "Show it" row).
 
-Run (CPU, ~11 min on 2 shared cores; the GGUF checkpoint and SST-2 TSVs from ``$DPLIT_DATA_DIR`` or /work/shared/data)::
+Run (CPU, ~10 min a seed on 2 shared cores; the GGUF and SST-2 TSVs from ``$DPLIT_DATA_DIR`` or /work/shared/data)::
 
-    python -m bench.user_level
+    python -m bench.user_level                 # 5 seeds x 2 arms; resumes: finished runs are kept
+    python -m bench.user_level --seeds 0 1 2   # fewer seeds; --render: only re-render table.md
 
 The first ``--train-rows`` rows of SST-2 train.tsv go, with an extra ``user`` column, to a copy of train.tsv: rows are
 given to seeded synthetic users of 1..``--most-rows`` consecutive rows (``synthetic_users(n, seed=0, most_rows=20)``).
@@ -10,8 +11,12 @@ The dev copy is bench.study's (the first ``--eval-examples`` dev rows sorted by 
 train the untied SmolLM2 config (``configs/smollm2_sst2_untied.yaml``, with the tying study's CPU settings) at the
 same target ε: example-level DP with an expected batch of ``--batch-size`` rows, and user-level DP with
 ``max_rows_per_user`` = ``--k`` and an expected number of users per batch chosen so the expected rows per step are
-comparable (``--batch-size`` / mean over users of min(rows, k), rounded). One seed (seed 0, DPStrategy(seed=0)): the
-time limit of the run that recorded it allowed no more, so the difference is one draw, not an estimate.
+comparable (``--batch-size`` / mean over users of min(rows, k), rounded). Runs are paired by seed: a seed fixes the
+initialisation, the data order, the Poisson batches and the noise's seed (``DPStrategy(seed=...)``) of both arms (the
+synthetic users are the same for every seed). The table gives each arm's mean ± sd over seeds and the paired
+difference user − example (mean, paired-t 95% interval, sign test: :mod:`bench.study.paired`). A rerun with the same
+settings keeps the finished runs in results.json (:mod:`bench.study.resume`); the first sitting's two runs (seed 0,
+named ``example``/``user``) are read as ``example_seed0``/``user_seed0``.
 Results: ``--out``/results.json and table.md (default bench/results/user_level/), naming the machine.
 """
 
@@ -19,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.record import git_info, machine_info, machine_line, write_json
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
+from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, plus_minus, write_json
+from bench.study.resume import add_seed_arguments, earlier_sitting, render, study_settings
 from bench.tying.arms import dplit_args
 from dplit.data.users import synthetic_users
 
@@ -41,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--most-rows", type=int, default=20, help="synthetic users own 1..N consecutive rows")
     add("--k", type=int, default=4, help="data.max_rows_per_user of the user-level arm")
     add("--max-grad-norm", type=float, default=0.1)
+    add_seed_arguments(parser)
     sst2.add_source_arguments(parser)
     args = parser.parse_args(argv)
     args.accelerator, args.precision, args.lora_lr = "cpu", "32-true", args.lr
@@ -65,9 +72,35 @@ def user_batch(users: list[str], rows_per_batch: int, k: int) -> tuple[int, floa
     return max(1, round(rows_per_batch / per_user)), per_user
 
 
+def migrate(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` with the first sitting's runs (one seed, named by arm alone) named and keyed by arm and seed."""
+    runs = []
+    for row in results.get("runs", []):
+        if "seed" not in row:
+            (seed,) = results["seeds"]
+            row = {**row, "name": f"{row['name']}_seed{seed}", "arm": row["name"], "seed": seed}
+        row.setdefault("git", results["git"]["describe"])
+        runs.append(row)
+    return {**results, "runs": runs}
+
+
+def planned_runs(seeds: list[int], batches: dict[str, int], done: set[str], git: str = "") -> list[dict[str, Any]]:
+    """The runs of ``seeds`` not in ``done``, seed by seed (both arms of a seed together): arm, batch, code (``git``)."""
+    return [
+        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "privacy_unit": arm, "batch_size": batch, "git": git}
+        for seed in seeds
+        for arm, batch in batches.items()
+        if f"{arm}_seed{seed}" not in done
+    ]
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Prepare the model and the user-column copy of SST-2, run both arms, write results.json and table.md."""
+    """Prepare the model and the user-column copy of SST-2, run every (seed, arm) not yet recorded, write the results."""
     args = parse_args(argv)
+    if args.render:
+        return render(args.out, table)
+    settings = study_settings(args)
+    previous, kept = earlier_sitting(args.out, settings, migrate)
     install_stop_handlers()
     sources = sst2.prepare(args)
     if sources["data_dir"] is None:
@@ -83,22 +116,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     arms = {"example": (args.batch_size, []), "user": (users_per_batch, user_flags)}
 
     def command(run: dict[str, Any], log_dir: Path) -> list[str]:
-        batch, extra = arms[run["name"]]
+        batch, extra = arms[run["arm"]]
         arm_args = copy.copy(args)
         arm_args.batch_size = batch
-        spec = {"arm": "dp_untied", "seed": 0, "dp_seed": 0, "epsilon": args.epsilon, "rows": None}
+        spec = {"arm": "dp_untied", "seed": run["seed"], "dp_seed": run["seed"], "epsilon": args.epsilon, "rows": None}
         return dplit_args(arm_args, sources, spec, log_dir) + extra
 
-    runs = [{"name": name, "privacy_unit": name, "batch_size": arms[name][0]} for name in arms]
+    git = git_info("dplit", "configs", "bench")
+    batches = {name: batch for name, (batch, _) in arms.items()}
+    runs = planned_runs(args.seeds, batches, {r["name"] for r in kept}, git["describe"])
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))
         return {}
     results: dict[str, Any] = {
         "command": "python -m bench.user_level",
-        "settings": {k: str(v) for k, v in vars(args).items()},
+        "settings": settings,
         "machine": machine_info(args.threads),
-        "git": git_info("dplit", "configs", "bench"),
+        "git": git,
         "model": sst2.model_line(sources),
         "train_rows": len(users),
         "dev_rows": args.eval_examples,
@@ -107,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "k": args.k,
         "mean_rows_per_sampled_user": rows_per_user,
         "expected_users_per_batch": users_per_batch,
-        "seeds": [0],
-        "runs": [],
+        "runs": kept,
+        "wall_s": previous.get("wall_s", 0.0),
     }
     out = args.out / "results.json"
     run_all(
@@ -118,60 +153,74 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         logs=args.logs,
         threads=args.threads,
         timeout=args.timeout,
-        write=lambda data: write_json(data, out),
+        write=lambda data: write_json(add_ledger_facts(data), out),
         jobs=args.jobs,
     )
-    for row in results["runs"]:
-        ledger = Path(row.get("log_dir") or "/nonexistent") / "privacy_ledger.json"
-        if ledger.is_file():
-            facts = json.loads(ledger.read_text())
-            row["ledger_unit"] = {
-                key: facts.get(key)
-                for key in ("privacy_unit", "users", "dataset_size", "max_rows_per_user", "largest_user_rows")
-            }
-    write_json(results, out)
+    write_json(add_ledger_facts(results), out)
     (args.out / "table.md").write_text(table(results))
     print(table(results))
     return results
 
 
+def add_ledger_facts(results: dict[str, Any]) -> dict[str, Any]:
+    """Copy each run's privacy unit facts from its privacy ledger into its row; the seeds of the finished runs."""
+    fields = ("privacy_unit", "users", "dataset_size", "max_rows_per_user", "largest_user_rows")
+    copy_ledger_facts(results, "ledger_unit", fields)
+    results["seeds"] = sorted({row["seed"] for row in results["runs"] if row.get("status") == "ok"})
+    return results
+
+
 def table(results: dict[str, Any]) -> str:
-    """The study's markdown table, with the data, the users and the machine."""
+    """The study's markdown: one row per arm (mean ± sd over seeds), the paired user − example difference, the machine."""
+    results = migrate(results)
+    by_arm = accuracies(results["runs"])
+    ok = [row for row in results["runs"] if row.get("status") == "ok"]
     lines = [
-        "| privacy unit | expected batch | dev acc | ε | σ | steps | step time (s) | rows per step | users | k | "
-        "largest user |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| privacy unit | seeds | expected batch | dev acc (mean ± sd) | ε (δ) | σ | steps | step time (s) | "
+        "rows per step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in results["runs"]:
-        user = row["name"] == "user"
-        if row["status"] != "ok":
-            lines.append(f"| {row['name']} | failed: {row['message'][:120]} |" + " |" * 9)
-            continue
-        sizes = row["step_batch_sizes"]
+    for arm in (a for a in ("example", "user") if a in by_arm):
+        mine = [row for row in ok if row["arm"] == arm]
+        deltas = sorted({f"{row['delta']:.1e}" for row in mine})
         lines.append(
-            f"| {row['name']} | {row['batch_size']} {'users' if user else 'rows'} | {row['val_acc'] * 100:.1f}% | "
-            f"{row['epsilon_spent']:.2f} | {row['noise_multiplier']:.3f} | {row['steps']} | "
-            f"{row['step_time_median_s']:.2f} | {statistics.fmean(sizes) if sizes else 0:.1f} | "
-            f"{results['users'] if user else '–'} | {results['k'] if user else '–'} | "
-            f"{results['largest_user_rows'] if user else '–'} |"
+            f"| {arm} | {len(mine)} | {mine[0]['batch_size']} {'users' if arm == 'user' else 'rows'} | "
+            f"{plus_minus(mean_std(list(by_arm[arm].values())))}% | "
+            f"{statistics.fmean(r['epsilon_spent'] for r in mine):.2f} ({', '.join(deltas)}) | "
+            f"{statistics.fmean(r['noise_multiplier'] for r in mine):.3f} | "
+            f"{statistics.fmean(r['steps'] for r in mine):.0f} | "
+            f"{statistics.median(r['step_time_median_s'] for r in mine):.2f} | "
+            f"{statistics.fmean(statistics.fmean(r['step_batch_sizes'] or [0]) for r in mine):.1f} |"
         )
+    pairs = ["| paired difference " + PAIRED_COLUMNS, "|---|---|---|---|---|"]
+    if {"user", "example"} <= set(by_arm):
+        pairs.append(paired_row("user − example", by_arm["user"], by_arm["example"]))
+    failed = [f"{row['name']} ({row.get('message', '')[:120]})" for row in results["runs"] if row not in ok]
+    code: dict[str, list[int]] = {}
+    for row in ok:
+        code.setdefault(row["git"], []).append(row["seed"])
+    commits = "; ".join(f"seeds {sorted(set(seeds))} at `{git}`" for git, seeds in code.items())
+    s = results["settings"]
     return "\n".join(
         [
             f"# Example-level vs user-level DP-SGD, SST-2, SmolLM2-135M-Instruct (`{results['command']}`)",
             "",
             f"Model: {results['model']}; untied embeddings, full fine-tuning, 1 epoch, float32 on the CPU, C = "
-            f"{results['settings']['max_grad_norm']}, lr {results['settings']['lr']}, target ε = "
-            f"{results['settings']['epsilon']}. Data: the first {results['train_rows']} SST-2 train rows, given to "
-            f"{results['users']} seeded synthetic users of 1–{results['settings']['most_rows']} consecutive rows "
-            f"(`synthetic_users(n, seed=0, most_rows={results['settings']['most_rows']})`, largest "
-            f"{results['largest_user_rows']} rows); a sampled user brings min(rows, k) = "
-            f"{results['mean_rows_per_sampled_user']:.2f} rows on average. Dev: the first {results['dev_rows']} dev rows. "
-            "One seed (0, common noise seed 0): a single draw, not an estimate. Step time: median wall seconds, "
-            "1 torch thread, both arms at once on a shared machine.",
+            f"{s['max_grad_norm']}, lr {s['lr']}, target ε = {s['epsilon']}. Data: the first {results['train_rows']} "
+            f"SST-2 train rows, given to {results['users']} seeded synthetic users of 1–{s['most_rows']} consecutive "
+            f"rows (`synthetic_users(n, seed=0, most_rows={s['most_rows']})`, largest {results['largest_user_rows']} "
+            f"rows); a sampled user brings min(rows, k = {results['k']}) = {results['mean_rows_per_sampled_user']:.2f} "
+            f"rows on average. Dev: the first {results['dev_rows']} dev rows. Seeds {results['seeds']}: a seed fixes "
+            "initialisation, data order, Poisson batches and noise seed of both arms (the users are the same for "
+            "every seed). Step time: the median over seeds of each run's median wall seconds per step, 1 torch "
+            "thread, both arms of a seed at once on a shared machine; rows per step: the mean realised batch.",
             "",
             *lines,
             "",
-            machine_line(results) + ".",
+            *pairs,
+            "",
+            *([f"Failed: {', '.join(failed)}.", ""] if failed else []),
+            f"{machine_line(results)}. Runs: {commits}.",
             "",
         ]
     )

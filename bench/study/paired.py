@@ -67,3 +67,35 @@ def paired_statistics(differences: list[float], *, level: float = 0.95) -> dict[
     elif result["ci"][1] < 0 and significant and sign["negative"] > sign["positive"]:
         result["verdict"] = VERDICTS[1]
     return result
+
+
+PAIRED_COLUMNS = "| paired seeds | mean (points) | 95% CI | sign test (+/−/tie, p) |"
+"""The columns of :func:`paired_row`, after the first (which names the difference)."""
+
+
+def accuracies(runs: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Dev accuracy (in points) of every finished run, by arm and seed (rows with ``arm``, ``seed``, ``val_acc``)."""
+    by_arm: dict[str, dict[int, float]] = {}
+    for row in runs:
+        if row.get("status") == "ok":
+            by_arm.setdefault(row["arm"], {})[row["seed"]] = 100 * row["val_acc"]
+    return by_arm
+
+
+def paired_row(label: str, first: dict[int, float], second: dict[int, float]) -> str:
+    """A table row of :data:`PAIRED_COLUMNS`: ``first`` − ``second`` over the seeds both have (values by seed).
+
+    Args:
+        label: the first cell, naming the difference.
+        first: one arm's values by seed.
+        second: the other arm's values by seed.
+    """
+    seeds = sorted(set(first) & set(second))
+    stats = paired_statistics([first[s] - second[s] for s in seeds])
+    ci = "–" if stats["ci"] is None else f"[{stats['ci'][0]:+.1f}, {stats['ci'][1]:+.1f}]"
+    mean = "–" if stats["mean"] is None else f"{stats['mean']:+.1f}"
+    sign = stats["sign_test"]
+    return (
+        f"| {label} | {stats['n']} | {mean} | {ci} | "
+        f"{sign['positive']}/{sign['negative']}/{sign['ties']}, {sign['p']:.2f} |"
+    )

@@ -14,8 +14,8 @@ from typing import Any
 
 from bench.machine import ROOT, git_info, machine_info, version
 
-__all__ = ["ROOT", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus", "relative", "version",
-           "write_json"]
+__all__ = ["ROOT", "copy_ledger_facts", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus",
+           "relative", "version", "write_json"]
 
 
 def relative(path: Path) -> str:
@@ -61,3 +61,19 @@ def write_json(data: dict[str, Any], path: Path) -> None:
     temporary = path.with_name(path.name + ".tmp")
     temporary.write_text(json.dumps(data, indent=1))
     os.replace(temporary, path)
+
+
+def copy_ledger_facts(results: dict[str, Any], key: str, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Copy ``fields`` of each run's privacy ledger (in its ``log_dir``) into the run's row as ``key``, once.
+
+    Args:
+        results: a study's record; rows that already have ``key``, or no ledger, are left as they are.
+        key: the row's key for the facts.
+        fields: the ledger's keys to copy (``None`` where the ledger has none).
+    """
+    for row in results["runs"]:
+        ledger = Path(row.get("log_dir") or "/nonexistent") / "privacy_ledger.json"
+        if key not in row and ledger.is_file():
+            facts = json.loads(ledger.read_text())
+            row[key] = {field: facts.get(field) for field in fields}
+    return results

@@ -1,14 +1,18 @@
-"""bench/user_level.py without the shared data: the user-column copy of a tiny TSV and the users-per-batch rule.
+"""bench/user_level.py without the shared data: the user-column copy, the users-per-batch rule, seeds and the table.
 
-The arms themselves need SmolLM2 and SST-2 (minutes on a CPU); the script's recorded run is in
-bench/results/user_level/.
+The arms themselves need SmolLM2 and SST-2 (minutes on a CPU); the study's recorded runs are in
+bench/results/user_level/: a rerun with the default settings must keep them (not run them again).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from bench.user_level import user_batch, write_user_tsv
+import pytest
+
+from bench.study.resume import earlier_sitting, study_settings
+from bench.user_level import main, migrate, parse_args, planned_runs, table, user_batch, write_user_tsv
 from dplit.data.users import synthetic_users
 
 
@@ -28,3 +32,71 @@ def test_user_batch_matches_the_expected_rows_per_step() -> None:
     assert per_user == 7 / 3
     assert batch == 3  # 8 / (7/3) = 3.43
     assert user_batch(["a"], 1, 4)[0] == 1
+
+
+MACHINE = {"cpu_model": "test cpu", "logical_cpus": 2, "memory_gib": 1.0, "gpu": None, "torch": "x",
+           "transformers": "x", "lightning": "x", "opacus": "x"}  # fmt: skip
+
+
+def run(arm: str, seed: int, accuracy: float, **extra: object) -> dict:
+    return {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "status": "ok", "val_acc": accuracy,
+            "batch_size": 8 if arm == "example" else 2, "epsilon_spent": 8.0, "delta": 1e-3, "noise_multiplier": 0.4,
+            "steps": 128 if arm == "example" else 46, "step_time_median_s": 4.0 + seed, "step_batch_sizes": [6, 10],
+            "git": "abc", **extra}  # fmt: skip
+
+
+def record(runs: list[dict], settings: dict[str, str] | None = None) -> dict:
+    return {"command": "python -m bench.user_level", "settings": settings or study_settings(parse_args([])),
+            "machine": MACHINE, "git": {"commit": "abc", "uncommitted_changes": False, "describe": "abc"},
+            "model": "SmolLM2", "train_rows": 1024, "dev_rows": 256, "users": 91, "largest_user_rows": 20, "k": 4,
+            "mean_rows_per_sampled_user": 3.8, "seeds": sorted({r["seed"] for r in runs if "seed" in r}),
+            "runs": runs}  # fmt: skip
+
+
+def test_the_recorded_study_resumes_without_rerunning_its_finished_runs() -> None:
+    recorded = Path(__file__).parents[2] / "bench" / "results" / "user_level"
+    args = parse_args([])
+    previous, kept = earlier_sitting(recorded, study_settings(args), migrate)
+    finished = {(row["arm"], row["seed"]) for row in kept}
+    assert {("example", 0), ("user", 0)} <= finished  # the first sitting's runs, named by arm alone, are seed 0
+    planned = planned_runs(args.seeds, {"example": 8, "user": 2}, {row["name"] for row in kept})
+    assert not {(run["arm"], run["seed"]) for run in planned} & finished
+    assert {run["seed"] for run in planned} <= set(args.seeds) == {0, 1, 2, 3, 4}
+
+
+def test_planned_runs_pair_both_arms_of_each_seed() -> None:
+    planned = planned_runs([0, 1, 2], {"example": 8, "user": 2}, {"example_seed0", "user_seed0", "user_seed1"})
+    assert [(r["arm"], r["seed"], r["batch_size"]) for r in planned] == [("example", 1, 8), ("example", 2, 8),
+                                                                        ("user", 2, 2)]  # fmt: skip
+
+
+def test_a_study_with_other_settings_is_refused_and_a_moved_one_resumes(tmp_path: Path) -> None:
+    other = study_settings(parse_args(["--k", "2"]))
+    (tmp_path / "results.json").write_text(json.dumps(record([run("user", 0, 0.8)], other)))
+    with pytest.raises(SystemExit, match="other settings"):
+        earlier_sitting(tmp_path, study_settings(parse_args([])))
+    moved = study_settings(parse_args(["--out", "/elsewhere", "--logs", "/elsewhere/logs", "--jobs", "1"]))
+    failed = {**run("user", 1, 0.0), "status": "failed", "message": "killed"}
+    (tmp_path / "results.json").write_text(json.dumps(record([run("user", 0, 0.8), failed], moved)))
+    _, kept = earlier_sitting(tmp_path, study_settings(parse_args(["--seeds", "7"])))
+    assert [row["name"] for row in kept] == ["user_seed0"]  # a failed run is run again
+
+
+def test_the_table_pairs_the_arms_by_seed_and_renders_from_results_json(tmp_path: Path) -> None:
+    runs = [run("example", seed, acc) for seed, acc in enumerate([0.80, 0.81, 0.82])]
+    runs += [run("user", seed, acc) for seed, acc in enumerate([0.81, 0.83, 0.82])]  # user − example: +1, +2, 0
+    runs += [run("user", 9, 0.5), {**run("example", 3, 0.0), "status": "failed", "message": "timed out"}]
+    (tmp_path / "results.json").write_text(json.dumps(record(runs)))
+    results = main(["--render", "--out", str(tmp_path)])
+    text = (tmp_path / "table.md").read_text()
+    assert text == table(results)
+    assert "| user − example | 3 | +1.0 | [-1.5, +3.5] | 2/0/1, 0.50 |" in text  # t(0.975, 2) · 1 / √3 = 2.48
+    assert "| example | 3 | 8 rows | 81.0 ± 1.0% | 8.00 (1.0e-03) | 0.400 | 128 | 5.00 | 8.0 |" in text
+    assert "| user | 4 | 2 users |" in text and "Failed: example_seed3 (timed out)." in text
+
+
+def test_the_first_sittings_runs_are_read_as_seed_0() -> None:
+    old = {"name": "user", "privacy_unit": "user", "status": "ok", "val_acc": 0.8}
+    results = migrate({**record([]), "seeds": [0], "runs": [old]})
+    assert results["runs"] == [{**old, "name": "user_seed0", "arm": "user", "seed": 0, "git": "abc"}]
+    assert migrate(results) == results

@@ -1,0 +1,77 @@
+"""Resuming a study paired by seed: finished runs of an earlier sitting with the same settings are kept, not rerun.
+
+A study (:mod:`bench.clip_modes`, :mod:`bench.user_level`) records its settings (every argument except how a sitting
+runs: :data:`SITTING`) and each run by name (its arm and seed) in ``--out``/results.json. A rerun with the same
+settings keeps the runs that finished and runs only the planned ones not among them; a rerun with other settings is
+refused. The folders (:data:`PLACES`) say where, not what: a study moved to another checkout resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SITTING = ("seeds", "jobs", "timeout", "dry_run", "render")
+"""Arguments of one sitting (which seeds now, how many at once, how long): not part of the study's settings."""
+
+PLACES = ("out", "logs")
+"""Arguments naming folders: recorded, but a study whose folders moved is the same study."""
+
+
+def add_seed_arguments(parser: argparse.ArgumentParser, seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> None:
+    """``--seeds`` (the pairing seeds, default ``seeds``) and ``--render`` (re-render table.md only)."""
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=list(seeds),
+        help="seeds: each fixes initialisation, data order, Poisson batches and noise for every arm",
+    )
+    parser.add_argument("--render", action="store_true", help="only re-render table.md from --out's results.json")
+
+
+def study_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings a results.json records: every argument but :data:`SITTING`, as text."""
+    return {key: str(value) for key, value in vars(args).items() if key not in SITTING}
+
+
+def same_settings(recorded: dict[str, str], settings: dict[str, str]) -> bool:
+    """Whether two recorded settings make the same study (:data:`SITTING` and :data:`PLACES` left out of both)."""
+    ignored = SITTING + PLACES
+    return {k: v for k, v in recorded.items() if k not in ignored} == {
+        k: v for k, v in settings.items() if k not in ignored
+    }
+
+
+def earlier_sitting(
+    out: Path, settings: dict[str, str], migrate: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The earlier results.json in ``out`` (``{}`` if none) and its finished runs.
+
+    Args:
+        out: the study's results folder.
+        settings: this sitting's :func:`study_settings`.
+        migrate: rewrites an older record into the study's current form (run names, keys) before it is read.
+
+    Raises:
+        SystemExit: the earlier results were made with other settings.
+    """
+    path = out / "results.json"
+    previous = json.loads(path.read_text()) if path.is_file() else {}
+    if previous and migrate is not None:
+        previous = migrate(previous)
+    if previous and not same_settings(previous.get("settings", {}), settings):
+        raise SystemExit(f"{path} was made with other settings: move it away to start over")
+    return previous, [row for row in previous.get("runs", []) if row.get("status") == "ok"]
+
+
+def render(out: Path, table: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """Re-render ``out``/table.md from ``out``/results.json with ``table``, print it and return the results."""
+    results = json.loads((out / "results.json").read_text())
+    text = table(results)
+    (out / "table.md").write_text(text)
+    print(text)
+    return results
