@@ -386,6 +386,7 @@ def test_audit_canaries_are_added_once_and_scored_alike_on_every_rank(runs: Call
     readings = torch.stack([flat(grads)[coordinates] for grads in canary_ranks[0]["grads"]]) * BATCH_SIZE / 0.1  # [T, m]
     expected_scores = noiseless_scores(readings, sample_rate=Q)  # σ = 0 in Poisson batches: the released readings'
     assert torch.allclose(canaries["scores"], expected_scores, rtol=1e-3, atol=1e-3)  # float32 gradients × qN
+    assert torch.allclose(canaries["reading_sums"], readings.sum(dim=0), rtol=0, atol=1e-5)  # what the audit read
 
 
 def test_ranks_whose_training_rows_differ_are_refused_before_any_step(runs: Callable[[str], Ranks]) -> None:

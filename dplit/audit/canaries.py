@@ -27,7 +27,7 @@ def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_ra
     1 − q + q·exp((2x − 1) / (2σ²)). Steps are independent given membership, so the sum of these logs over the steps
     is the Neyman-Pearson optimal statistic for a Dirac canary (for q = 1 it is affine in Σx, the running sum the
     (ε, δ) audit used). Without noise any ordering of the count of inclusions is optimal: the score is x (the
-    simulated runs' score; on a real model's readings :class:`GradientCanaries` uses :func:`noiseless_step_score`).
+    simulated runs' score; on a real model's readings :class:`GradientCanaries` uses :func:`noiseless_scores`).
 
     Args:
         observed: the released noisy sum at each canary's coordinate, divided by the step's C [m] (float64).
@@ -51,21 +51,29 @@ def noiseless_scores(readings: Tensor, *, sample_rate: float) -> Tensor:
     """Each canary's score from all its readings of a run without noise in sampled batches [m].
 
     Without noise the only thing besides the canary at its coordinate is the real examples' gradients there. They
-    act as noise of the coordinate's own level and spread, so each canary's readings are centred on their median and
-    scaled by their spread (1.4826 × the median absolute deviation, at least :data:`NOISELESS_SCALE_FLOOR`), both
-    robust to the few steps (about q·T) in which it was sampled, and scored by :func:`white_box_step_score` at that
-    spread. On drift-free readings this orders canaries by their number of inclusions, as the plan's simulated sum
-    does; on a real model a canary whose coordinate the data move by about one C no longer outranks one sampled once.
+    act as noise of the coordinate's own level and spread. Both are read from the canary's readings without their
+    ⌈2qT + 2⌉ largest (where its inclusions, about qT, lie): the median of the rest, and 1.4826 × their median
+    absolute deviation (at least :data:`NOISELESS_SCALE_FLOOR`); every step is then scored by the likelihood ratio of
+    :func:`white_box_step_score` at that spread. On drift-free readings of a canary included at most that many times
+    this orders canaries by their number of inclusions, as the plan's simulated sum does; on a real model a canary
+    whose coordinate the data move by about one C no longer outranks one sampled once. With fewer than 3 readings
+    left (short runs, large q) level and spread cannot be told from the canary's own: the plain sum is the score.
 
     Args:
         readings: every step's reading of every canary, in units of C [T, m].
         sample_rate: q (below 1: in full batches every included canary rises at every step, so the plain sum is used).
     """
-    rise = readings - readings.median(dim=0).values  # [T, m]
-    scale = (1.4826 * rise.abs().median(dim=0).values).clamp(min=NOISELESS_SCALE_FLOOR)  # [m]
+    steps = readings.shape[0]
+    kept = steps - math.ceil(2 * sample_rate * steps + 2)
+    if kept < 3:
+        return readings.sum(dim=0)
+    rest = readings.sort(dim=0).values[:kept]  # [kept, m]: each canary's smallest readings
+    level = rest.median(dim=0).values  # [m]
+    scale = (1.4826 * (rest - level).abs().median(dim=0).values).clamp(min=NOISELESS_SCALE_FLOOR)  # [m]
+    rise = readings - level  # [T, m]
     shift = (2 * rise - 1) / (2 * scale**2)  # [T, m]: as white_box_step_score's, at the coordinate's own spread
-    steps = torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))  # [T, m]
-    return steps.sum(dim=0)
+    ratios = torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))  # [T, m]
+    return ratios.sum(dim=0)
 
 
 class GradientCanaries:
@@ -74,7 +82,8 @@ class GradientCanaries:
     An included canary takes part in DP-SGD exactly as one more example whose clipped gradient is that direction:
     Poisson-sampled at rate q every step and added to the clipped sum before the noise. The auditor reads the
     released noisy sum at every canary's coordinate on every step (all iterates), in units of C: the score is the
-    sum of the steps' log-likelihood ratios (:func:`white_box_step_score`); the first step's readings, the sums of
+    sum of the steps' log-likelihood ratios (:func:`white_box_step_score`; without noise in sampled batches,
+    :func:`noiseless_scores` of all the readings at the end); the first step's readings, the sums of
     the readings and of their squares, and each canary's sampled-vs-earlier contrast feed the audit's checks of the
     mechanism's scale (:mod:`dplit.audit.calibration`).
 

@@ -174,6 +174,18 @@ def test_without_noise_a_sampled_canary_outranks_an_excluded_one_whose_coordinat
     assert torch.equal(scores, canaries.scores)  # reading the scores changes nothing
 
 
+def test_without_noise_canaries_sampled_in_most_steps_keep_their_rank() -> None:
+    """A level read from the smallest readings: a canary in most steps never ties with an excluded one."""
+    from dplit.audit.canaries import noiseless_scores
+
+    inclusions = torch.zeros(20, 3, dtype=torch.float64)  # [T, 3]: in 11 of 20 steps (the median is 1), in 1, out
+    inclusions[:11, 0], inclusions[4, 1] = 1, 1
+    scores = noiseless_scores(inclusions, sample_rate=0.3)
+    assert scores[0] > scores[1] > scores[2]
+    short = noiseless_scores(inclusions[:5], sample_rate=0.6)  # too few steps for a level: the plain sum
+    assert torch.equal(short, inclusions[:5].sum(dim=0))
+
+
 # soundness: the exact Gaussian mechanism, simulated
 
 

@@ -212,7 +212,8 @@ def run(scenario: dict[str, Any], out: Path, counter: CollectiveCounter) -> None
 
 def _canaries(strategy: CanaryDPStrategy) -> dict[str, Tensor]:
     canaries = strategy.canaries
-    return {"coordinates": canaries.coordinates, "included": canaries.included, "scores": canaries.scores}
+    return {"coordinates": canaries.coordinates, "included": canaries.included, "scores": canaries.scores,
+            "reading_sums": canaries.reading_sums}  # fmt: skip
 
 
 def _state(module: torch.nn.Module) -> dict[str, Tensor]:
