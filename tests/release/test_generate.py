@@ -235,7 +235,7 @@ def interrupted(command: list[str], started: Callable[[], bool], **variables: st
     while not started() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=120)
+    output, _ = process.communicate(timeout=300)  # a loaded machine: the shutdown after the interrupt can be slow
     return subprocess.CompletedProcess(command, process.returncode, output)
 
 
