@@ -48,6 +48,7 @@ from bench.machine import ROOT, git_info, machine_info
 from bench.models import LABEL_WORDS, LORA_TARGETS, SMOLLM2_135M
 from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 from bench.report import machine_line
+from bench.step_methods import non_private_step
 from bench.targets import Target, busy_note, ratio_table, ratios
 
 SIZES: dict[str, dict[str, Any]] = {  # Llama configs; every size tied, SmolLM2's 49152-token vocabulary but tiny
@@ -146,15 +147,7 @@ def build_step(args: argparse.Namespace, arm: str, model: Any, batch: dict[str, 
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-4)
     mixed = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")  # noqa: E731
     if arm.startswith("non_private"):
-
-        def plain_step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with mixed():
-                loss = model.per_example_loss(batch).mean()
-            loss.backward()
-            optimizer.step()
-
-        return plain_step
+        return non_private_step(model, batch, optimizer, mixed)
     settings = DPSGDSettings(max_grad_norm=args.max_grad_norm, noise_multiplier=1.0, target_delta=1e-5,
                              max_physical_batch_size=args.batch_size, self_check=False)  # fmt: skip
     dpsgd = DPSGD(model, settings, history=PrivacyHistory())

@@ -56,6 +56,19 @@ def shipped_dp_step(
     return dp_step
 
 
+def non_private_step(model: Any, batch: dict[str, Any], optimizer: Any, mixed: Callable[[], Any]) -> Callable[[], None]:
+    """A plain AdamW step on the batch's mean loss, the forward under ``mixed()`` (the non-private baseline)."""
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        with mixed():
+            loss = model.per_example_loss(batch).mean()
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
 def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], device: Any) -> Callable[[], None]:
     """The closure running one full training step of ``args.method``.
 
@@ -69,16 +82,7 @@ def build_step(args: argparse.Namespace, model: Any, batch: dict[str, Any], devi
     mixed = autocast(args, device)
     method = adapters(args.method)[0]
     if method == "non_private":
-        optimizer = torch.optim.AdamW(params, lr=args.lr)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with mixed():
-                loss = model.per_example_loss(batch).mean()
-            loss.backward()
-            optimizer.step()
-
-        return step
+        return non_private_step(model, batch, torch.optim.AdamW(params, lr=args.lr), mixed)
 
     if method in ("dplit_ghost", "dplit_per_example"):
         return shipped_dp_step(args, model, batch, mixed)
