@@ -32,7 +32,8 @@ from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
 from dplit.strategy_checks import check_module, check_trainer
 
-PUBLIC_UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "clip_mode")
+UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
+"""The facts TensorBoard's hyperparameters show as ``privacy/*`` (``largest_user_rows`` only as a private diagnostic)."""
 """What TensorBoard's hyperparameters show of the privacy unit and the clipping mode (public counts and names)."""
 
 
@@ -158,7 +159,7 @@ class DPSGDHooks:
         self._interrupt_path = interrupt_checkpoint_path(trainer, log_dir)
         trainer.should_stop = trainer.should_stop or spent
         facts = self.dpsgd.facts()
-        unit = {key: facts[key] for key in PUBLIC_UNIT_FACTS if key in facts}  # counts only, never a user id
+        unit = {key: facts[key] for key in UNIT_FACTS if key in facts}  # counts only, never a user id
         for logger in trainer.loggers:
             logger.log_hyperparams({f"privacy/{key}": value for key, value in unit.items()})
 

@@ -376,7 +376,7 @@ class DPSGD:
             "epsilon_steps": self._epsilon_steps,
             "sampling": "poisson",
             **self._clip_facts(),
-            **(self._user_level.facts() if self._user_level is not None else {"privacy_unit": "example"}),
+            **self._unit_facts(),
             "clipping": settings.clipping,
             "tied_norm": settings.tied_norm,
             "noise": self.noise_source.describe(),
@@ -601,6 +601,12 @@ class DPSGD:
             mechanism=self.settings.accountant, prior=prior,
         )  # fmt: skip
 
+    def _unit_facts(self) -> dict[str, Any]:
+        """The privacy unit's facts: ``example``, or the user-level counts (the largest user's rows as a diagnostic)."""
+        if self._user_level is None:
+            return {"privacy_unit": "example"}
+        return self._user_level.facts(private_diagnostics=self.settings.private_diagnostics)
+
     def _segment_facts(self) -> dict[str, Any]:
         """This run's public parameters, as its segment of the weights' privacy history records them."""
         return {
@@ -610,7 +616,7 @@ class DPSGD:
             "mechanism": self.settings.accountant,
             "noise": self.noise_source.describe(),
             "noise_secure": self.noise_source.secure,
-            **(self._user_level.facts() if self._user_level is not None else {"privacy_unit": "example"}),
+            **self._unit_facts(),
         }
 
     # --- checks ----------------------------------------------------------------------------------------------------

@@ -35,13 +35,27 @@ class UserLevel:
         """The number of users U (the N of the accounting)."""
         return len(self.user_rows)
 
-    def facts(self) -> dict[str, Any]:
-        """What the ledger and the card record about the unit: the unit, N and k (no user id, no per-user count)."""
-        return {
+    @property
+    def largest_user_rows(self) -> int:
+        """The most rows any one user owns (computed from the private data without noise: not covered by ε)."""
+        return max((len(rows) for rows in self.user_rows), default=0)
+
+    def facts(self, *, private_diagnostics: bool) -> dict[str, Any]:
+        """What the ledger and the card record about the unit: the unit, N, k (and the largest user's row count).
+
+        No user id and no other per-user count is ever recorded.
+
+        Args:
+            private_diagnostics: record the largest user's row count. It is computed from the private data without
+                noise and changes when that user joins or leaves, so it sits outside ε; ``False``
+                (``private_diagnostics: false``) leaves it out.
+        """
+        facts: dict[str, Any] = {
             "privacy_unit": "user",
             "users": self.users,
             "max_rows_per_user": self.max_rows_per_user,
-        }  # not the largest user's row count: computed from the private data without noise, outside ε
+        }
+        return {**facts, "largest_user_rows": self.largest_user_rows} if private_diagnostics else facts
 
 
 def user_level_of(dataset: object) -> UserLevel | None:

@@ -23,8 +23,9 @@ NOT_COVERED = (
     "choosing hyperparameters (learning rate, C, epochs, ...) by runs on the private data: each such run spends "
     "privacy that this ε does not count",
     "the diagnostics a run logs unless DPStrategy.private_diagnostics=false: train/* (loss, accuracy), dp/grad_norm, "
-    "dp/clip_fraction, dp/dropped_examples, perf/samples_per_sec (the realised batch size), memory/peak_mb and the "
-    "longest training prompt the GLUE datamodule reports are computed from the private data without noise, so they "
+    "dp/clip_fraction, dp/dropped_examples, perf/samples_per_sec (the realised batch size), memory/peak_mb, the "
+    "longest training prompt the GLUE datamodule reports and, under user-level DP, the largest user's row count (on "
+    "this card too) are computed from the private data without noise, so they "
     "must not leave the trust boundary",
     "validation metrics computed on data that is itself private (val/*): only the model's weights are covered",
     "the non-secure RNG: noise and Poisson sampling come from torch's generators seeded from the operating "
@@ -122,14 +123,27 @@ def privacy_unit_text(facts: dict[str, Any]) -> str:
         return PRIVACY_UNIT
     return (
         f"one user (all of that user's training rows; at most {facts.get('max_rows_per_user')} of them are used in "
-        f"any step, drawn at random, so a user's rows beyond that are not all seen in one step)"
+        f"any step, drawn at random, so a user's rows beyond that are not seen in that step; "
+        f"{_largest_user_text(facts.get('largest_user_rows'))})"
+    )
+
+
+def _largest_user_text(rows: int | None) -> str:
+    """The largest user's row count as the card states it: a private diagnostic, or why it is not stated."""
+    if rows is None:
+        return "the largest user's row count is withheld (DPStrategy.private_diagnostics=false, or not recorded)"
+    return (
+        f"the largest user has {rows} rows, a count computed from the private data without noise and not covered "
+        "by ε (withheld under DPStrategy.private_diagnostics=false)"
     )
 
 
 def _user_counts(facts: dict[str, Any]) -> dict[str, Any]:
-    """The user-level counts a card states (none for example-level DP)."""
-    keys = ("users", "max_rows_per_user")
-    return {key: facts.get(key) for key in keys} if facts.get("privacy_unit") == "user" else {}
+    """The user-level counts a card states (none for example-level DP; the largest user's rows when recorded)."""
+    if facts.get("privacy_unit") != "user":
+        return {}
+    counts = {key: facts.get(key) for key in ("users", "max_rows_per_user")}
+    return {**counts, "largest_user_rows": facts["largest_user_rows"]} if "largest_user_rows" in facts else counts
 
 
 def _noise_sources(segments: list[dict[str, Any]]) -> str:
@@ -279,6 +293,7 @@ _FACTS = (
     ("privacy_unit", "privacy unit"),
     ("users", "training users N"),
     ("max_rows_per_user", "rows of a user per step (at most)"),
+    ("largest_user_rows", "rows of the largest user (computed without noise: not covered by ε)"),
     ("clipping", "clipping engine"),
     ("clip_mode", "clipping bound"),
     ("target_quantile", "target quantile γ of the norms"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -75,9 +76,14 @@ def test_n_and_q_count_users_and_each_users_rows_are_clipped_together() -> None:
         torch.testing.assert_close(param.grad, expected[name] / 3, rtol=0, atol=1e-12, msg=name)
 
 
-def one_step(model: CausalLMClassifier, dataset: TokenizedDataset, history: PrivacyHistory) -> None:
+def one_step(
+    model: CausalLMClassifier, dataset: TokenizedDataset, history: PrivacyHistory, *, private_diagnostics: bool = True
+) -> None:
     """One noisy DP step on the whole of ``dataset`` (example- or user-level, as the dataset says)."""
-    settings = DPSGDSettings(max_grad_norm=CLIP, noise_multiplier=1.0, target_delta=1e-3, self_check=False)
+    settings = DPSGDSettings(
+        max_grad_norm=CLIP, noise_multiplier=1.0, target_delta=1e-3, self_check=False,
+        private_diagnostics=private_diagnostics,
+    )  # fmt: skip
     mechanism = DPSGD(model, settings, history=history)
     mechanism.sample(DataLoader(dataset, batch_size=3, collate_fn=PadCollator(pad_token_id=0)))
     mechanism.start(planned_steps=1)
@@ -98,6 +104,26 @@ def test_the_card_says_per_user_only_when_every_segment_protected_users() -> Non
     assert "users" not in guarantee_of({HISTORY_KEY: mixed.state_dict()})
     per_user = guarantee_of({HISTORY_KEY: user_only.state_dict()})
     assert per_user["privacy_unit"].startswith("one user") and per_user["users"] == 6
+
+
+@pytest.mark.parametrize("private_diagnostics", [True, False])
+def test_the_card_states_the_largest_users_rows_only_as_a_private_diagnostic(private_diagnostics: bool) -> None:
+    """The largest user's row count (5 of :data:`USERS`) is computed without noise: stated, outside ε, or withheld.
+
+    It is stated, marked as outside ε, only while ``private_diagnostics`` is on; withheld, and said so, when off.
+    """
+    history = PrivacyHistory()
+    one_step(classifier(), user_dataset(), history, private_diagnostics=private_diagnostics)
+    card = guarantee_of({HISTORY_KEY: history.state_dict()})
+    assert ("largest_user_rows" in card) is private_diagnostics
+    if private_diagnostics:
+        assert card["largest_user_rows"] == max(USERS.count(user) for user in set(USERS)) == 5
+        assert (
+            "the largest user has 5 rows, a count computed from the private data without noise" in card["privacy_unit"]
+        )
+    else:
+        assert "5 rows" not in json.dumps(card)
+        assert "the largest user's row count is withheld" in card["privacy_unit"]
 
 
 def test_micro_batches_hold_whole_users() -> None:
@@ -158,8 +184,11 @@ def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) ->
     card = (tmp_path / "out" / "README.md").read_text()
     assert "with respect to one user (all of that user's training rows; at most 4" in card
     assert f"of the {users} training users" in card
+    largest = max(Counter(cli.datamodule.dataset("train").users).values())
+    assert f"the largest user has {largest} rows, a count computed from the private data without noise" in card
     guarantee = (tmp_path / "out" / GUARANTEE_FILE).read_text()
     assert f'"users": {users}' in guarantee and '"max_rows_per_user": 4' in guarantee
+    assert f'"largest_user_rows": {largest}' in guarantee
 
 
 @pytest.mark.slow
