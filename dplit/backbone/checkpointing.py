@@ -1,9 +1,10 @@
 """Activation checkpointing: each transformer block's activations are recomputed in the backward pass.
 
 transformers' own switch (``activation_checkpointing_enable``), always non-reentrant: the recomputed forward runs
-with autograd on, so the ghost engine's hooks see every use of a weight again and pair each recomputed
-activation with its own output gradient (a reentrant checkpoint runs the first forward under ``no_grad``, which
-the engine refuses). Blocks are recomputed in training mode only.
+with autograd on, so the ghost engine sees each call inside a block again; it keeps none of a block's inputs
+through the forward pass, takes each from the replay, pairs it with its own output gradient and counts every use
+once (:mod:`dplit.privacy.clipping.recorder`; a reentrant checkpoint runs the first forward under ``no_grad``,
+which the engine refuses). Blocks are recomputed in training mode only.
 """
 
 from __future__ import annotations

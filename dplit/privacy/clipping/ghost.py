@@ -2,7 +2,8 @@
 
 During :meth:`GhostEngine.accumulate` every covered module (``nn.Linear``, HF ``Conv1D``, ``nn.Embedding``,
 ``nn.LayerNorm``) that owns a trainable parameter keeps its input and, through a tensor hook on its output,
-the gradient of that output. The trainable parameters are switched to ``requires_grad=False`` for the pass,
+the gradient of that output (:mod:`dplit.privacy.clipping.recorder`; under activation checkpointing the input comes
+from the layer's replay in the backward pass, and the call is normed as soon as it is complete). The trainable parameters are switched to ``requires_grad=False`` for the pass,
 so autograd computes activation gradients only. From each call's (input, output gradient) the layer rules
 of :mod:`dplit.privacy.clipping.norms` give the per-example gradient in factorised form; :mod:`dplit.privacy.clipping.parameter_norms`
 turns a parameter's uses (one, or several for tied weights and reused modules) into exact per-example
@@ -11,14 +12,15 @@ norms; and the clipped sum Σ_i c_i G_i is formed per use with one matmul or ``i
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import dplit.privacy.clipping.norms.factors as factors_module
 from dplit.privacy.clipping.engine import (
@@ -48,7 +50,8 @@ from dplit.privacy.clipping.parameter_norms import (
     parameter_squared_norm,
     stacked_squared_norms,
 )
-from dplit.privacy.clipping.units import grouped_use, unit_sums, units_of, without_units
+from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall
+from dplit.privacy.clipping.units import Units, grouped_use, unit_sums, units_of, without_units
 
 LAYER_ADVICE = (
     "freeze it, use a supported layer (Linear, Conv1D, Embedding, LayerNorm, RMSNorm), register a rule, or use the "
@@ -59,18 +62,6 @@ ADAPTER_ADVICE = (
     "target_modules (model.train_embeddings trains the embedding itself), use peft.LoraConfig without use_dora, or "
     "use DPStrategy.clipping=per_example"
 )
-
-
-@dataclass
-class ModuleCall:
-    """One call of a covered module: its input and, after the backward pass, its output gradient."""
-
-    name: str
-    module: nn.Module
-    rule: NormRule
-    activation: Tensor
-    grad_enabled: bool
-    output_grad: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +80,16 @@ class Coverage:
     owners: dict[int, ParameterOwner]
     modules: dict[int, tuple[str, nn.Module, NormRule]]
     structure: tuple[tuple[str, int, str, int], ...] = ()
+    held: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    def parameter_key(self, module: nn.Module, attribute: str) -> int | None:
+        """The ``id`` of the trainable parameter ``module`` holds as ``attribute`` (``None``: not a trainable one).
+
+        From the structure the coverage was computed from, not from the module as it is now: FSDP2 swaps a sharded
+        parameter for its gathered copy around forward and backward passes, and a use formed in the backward pass
+        (under activation checkpointing) must still find its parameter.
+        """
+        return self.held.get((id(module), attribute))
 
 
 def trainable_structure(module: nn.Module) -> tuple[tuple[str, int, str, int], ...]:
@@ -151,8 +152,12 @@ class GhostEngine(ClippingEngine):
         Runs one forward under ``torch.no_grad`` watching every torch call.
         """
         coverage = self.coverage()
-        with torch.no_grad():
-            self._forward(loss_fn, batch, coverage)
+        recorder = CallRecorder()
+        try:
+            with torch.no_grad():
+                self._forward(loss_fn, batch, coverage, recorder)
+        finally:
+            recorder.remove_hooks()
 
     def coverage(self) -> Coverage:
         """Map trainable parameters to the covered modules owning them; refuse any parameter without a rule.
@@ -189,7 +194,8 @@ class GhostEngine(ClippingEngine):
             for _, param in owned:
                 owning.setdefault(id(param), set()).add(id(module))
         owners = {key: ParameterOwner(parameters[key][0], frozenset(ids)) for key, ids in owning.items()}
-        return Coverage(parameters, owners, modules, structure)
+        held = {(module_id, attribute): key for _, module_id, attribute, key in structure if key in parameters}
+        return Coverage(parameters, owners, modules, structure, held)
 
     def _rule_for(self, module_name: str, module: nn.Module, owned: list[tuple[str, str]]) -> NormRule:
         """The rule covering ``owned`` (full name, attribute name) parameters of ``module``, or refuse."""
@@ -249,14 +255,15 @@ class GhostEngine(ClippingEngine):
                 self._summed(param)
             empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
             return ClipStats(losses=empty, norms=empty)
-        losses, uses = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype)
         units = units_of(batch)
+        losses, uses, recomputed = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype, units=units)
         if units is not None:  # a unit of several rows is one example: its rows' positions side by side
             losses = unit_sums(losses, units)
             uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            kept: dict[int, Tensor] = {}  # float64 per-example gradients formed for a norm, reused for the sum
-            per_parameter = list(self._squared_norms(uses, kept).values())  # each [B], float64, never below the truth
+            kept = dict(recomputed.kept)  # float64 per-example gradients formed for a norm, reused for the sum
+            normed = self._squared_norms(uses, kept, room=recomputed.room)
+            per_parameter = [*recomputed.squared.values(), *normed.values()]  # each [B], float64, never below the truth
             if per_parameter:
                 squared = torch.stack(per_parameter).sum(0)  # [P, B] -> [B]: one reduction, not P additions
             else:
@@ -283,13 +290,13 @@ class GhostEngine(ClippingEngine):
         """
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
-        losses, uses = self._gradient_uses(loss_fn, batch, coverage, dtype)
+        losses, uses, recomputed = self._gradient_uses(loss_fn, batch, coverage, dtype, units=None)
         with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            squared = self._squared_norms(uses)
+            squared = {**recomputed.squared, **self._squared_norms(uses)}
         return {name: squared[key].sqrt() if key in squared else None for key, (name, _) in coverage.parameters.items()}
 
     def _squared_norms(
-        self, uses: dict[int, list[GradientUse]], kept: dict[int, Tensor] | None = None
+        self, uses: dict[int, list[GradientUse]], kept: dict[int, Tensor] | None = None, room: int | None = None
     ) -> dict[int, Tensor]:
         """Each used parameter's per-example ‖G‖² [B] over all its uses, by parameter ``id``.
 
@@ -297,12 +304,12 @@ class GhostEngine(ClippingEngine):
         transformer's parameters by count) are normed together, a stack at a time (:func:`stacked_squared_norms`).
         With ``kept``, a weight used once whose norm is taken of its materialised per-example gradients (cheaper
         than the Grams: T·r·c ≤ T²·(r + c)) leaves those float64 gradients there, by ``id``, up to
-        :data:`KEPT_ELEMENTS` in all: its clipped sum is then Σ_i c_i G_i over them, not a second product of
+        ``room`` elements in all: its clipped sum is then Σ_i c_i G_i over them, not a second product of
         the factors.
         """
         squared: dict[int, Tensor] = {}
         stacks: dict[tuple[Any, ...], list[list[int]]] = {}
-        room = KEPT_ELEMENTS if kept is not None else 0
+        room = (KEPT_ELEMENTS if room is None else room) if kept is not None else 0
         for key, parameter_uses in uses.items():
             use = parameter_uses[0]
             values = use.values if isinstance(use, ExampleGradient) else None
@@ -323,39 +330,94 @@ class GhostEngine(ClippingEngine):
         return {key: squared[key] for key in uses}  # in the order of the uses
 
     def _gradient_uses(
-        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype
-    ) -> tuple[Tensor, dict[int, list[GradientUse]]]:
-        """One forward and one backward (no weight gradients); each parameter's per-example uses by ``id``."""
-        with torch.enable_grad(), _weight_gradients_off([p for _, p in coverage.parameters.values()]):
-            losses, calls = self._forward(loss_fn, batch, coverage)
-            _check_gradients_recorded(calls)
-            if losses.requires_grad:
-                losses.sum().backward()
-        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
-            return losses, _collect_uses(calls, coverage, dtype)
+        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype, *, units: Units | None
+    ) -> tuple[Tensor, dict[int, list[GradientUse]], RecomputedNorms]:
+        """One forward and one backward (no weight gradients); each parameter's per-example uses by ``id``.
 
-    def _forward(self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage) -> tuple[Tensor, list[ModuleCall]]:
-        """Run ``loss_fn`` with covered modules recorded and every parameter use watched; check what ran."""
+        Uses of calls recomputed under activation checkpointing are normed as they complete, in the backward pass
+        (:class:`RecomputedNorms`, over ``units`` when given); the rest are returned.
+        """
+        recomputed = RecomputedNorms(coverage, dtype, units=units)
+        recorder = CallRecorder(on_complete=recomputed.take)
+        params = [p for _, p in coverage.parameters.values()]
+        try:
+            with torch.enable_grad(), _weight_gradients_off(params), set_checkpoint_early_stop(False):
+                losses, calls = self._forward(loss_fn, batch, coverage, recorder)  # every layer replayed whole
+                _check_gradients_recorded(calls)
+                recorder.forward_done()
+                recomputed.calls_per_module = recorder.calls_per_module()
+                if losses.requires_grad:
+                    losses.sum().backward()
+        finally:
+            recorder.remove_hooks()
+        recorder.check_paired()
+        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+            return losses, _collect_uses(calls, coverage, dtype), recomputed
+
+    def _forward(
+        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, recorder: CallRecorder
+    ) -> tuple[Tensor, list[ModuleCall]]:
+        """Run ``loss_fn`` with covered modules recorded and every parameter use watched; check what ran.
+
+        The parameter-use monitor watches the forward only; ``recorder`` keeps its hooks (checkpointing's replay).
+        """
         names = {key: name for key, (name, _, _) in coverage.modules.items()}
         monitor = ParameterUseMonitor(coverage.owners, names)
-        calls: list[ModuleCall] = []
         with ExitStack() as hooks:
-            for name, module, rule in coverage.modules.values():
+            for _, module, _ in coverage.modules.values():
                 handles = (
                     module.register_forward_pre_hook(monitor.enter),
                     module.register_forward_hook(monitor.exit, always_call=True),
-                    module.register_forward_hook(
-                        partial(_record_call, calls, name, rule), with_kwargs=True, prepend=True
-                    ),  # first, so the gradient captured is of the module's own output
                 )
                 for handle in handles:
                     hooks.callback(handle.remove)
+            recorder.attach(coverage.modules.values(), self._module)  # first, so the gradient is of the own output
             with monitor:
                 losses = loss_fn(batch)
         if monitor.violations:
             raise ValueError("; ".join(monitor.violations))
-        _check_batch_dims(losses, calls)
-        return losses, calls
+        _check_batch_dims(losses, recorder.calls)
+        return losses, recorder.calls
+
+
+class RecomputedNorms:
+    """Norms of the calls recomputed under activation checkpointing, formed as each completes in the backward pass.
+
+    A recomputed call's weight used once whose norm materialises its per-example gradients (:func:`_keepable`) is
+    normed at once (the same float64 arithmetic and rounding slack as after the backward) and keeps those
+    gradients for the clipped sum; its other uses (biases, norm scales, factored weights) are kept as uses. Either
+    way the call lets its input and output gradient go, so checkpointing's recomputed inputs do not pile up.
+
+    Attributes:
+        squared: per-example ‖G‖² [B] of the parameters normed here, by ``id``.
+        kept: their float64 per-example gradients [B, r, c], by ``id``.
+        room: the per-example gradient elements still allowed (of :data:`KEPT_ELEMENTS`).
+        calls_per_module: how many times each covered module ran (set after the forward).
+    """
+
+    def __init__(self, coverage: Coverage, dtype: torch.dtype, *, units: Units | None) -> None:
+        self._coverage, self._dtype, self._units = coverage, dtype, units
+        self.squared: dict[int, Tensor] = {}
+        self.kept: dict[int, Tensor] = {}
+        self.room = KEPT_ELEMENTS
+        self.calls_per_module: Counter[int] = Counter()
+
+    def take(self, call: ModuleCall) -> None:
+        """Norm what can be normed of a complete recomputed call; keep its other uses; let its tensors go."""
+        assert call.activation is not None
+        with torch.no_grad(), torch.autocast(call.activation.device.type, enabled=False):
+            for key, use in _call_uses(call, self._coverage, self._dtype):
+                grouped = grouped_use(use, self._units) if self._units is not None else use
+                if self._used_once(key) and _keepable(grouped, self.room):
+                    self.squared[key], self.kept[key] = materialised_parameter_squared_norm(grouped)
+                    self.room -= self.kept[key].numel()
+                else:
+                    call.uses.append((key, use))
+        call.activation, call.output_grad, call.reduced = None, None, True
+
+    def _used_once(self, key: int) -> bool:
+        """Whether the parameter ``key`` has exactly one use in this pass (one call of its only owner)."""
+        return sum(self.calls_per_module[module] for module in self._coverage.owners[key].modules) == 1
 
 
 def _is_empty(batch: Batch) -> bool:
@@ -364,43 +426,15 @@ def _is_empty(batch: Batch) -> bool:
     return bool(tensors) and all(value.shape[0] == 0 for value in tensors)
 
 
-def _record_call(
-    calls: list[ModuleCall],
-    name: str,
-    rule: NormRule,
-    module: nn.Module,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    output: Any,
-) -> Tensor | None:
-    """Forward hook: keep the input; make the output carry a gradient we capture (a fresh leaf if needed)."""
-    activation = args[0] if args else next(iter(kwargs.values()))
-    call = ModuleCall(name, module, rule, activation.detach(), torch.is_grad_enabled())
-    calls.append(call)
-    if not call.grad_enabled:
-        return None
-    if not isinstance(output, Tensor):
-        raise ValueError(f"{name!r} ({type(module).__name__}) returned {type(output).__name__}, not a Tensor")
-    if not output.requires_grad:  # nothing upstream is trained (e.g. an embedding): start the graph here
-        output = output.detach().requires_grad_().clone()  # a non-leaf, so later in-place ops stay legal
-    output.register_hook(partial(_store_output_grad, call))
-    return output
-
-
-def _store_output_grad(call: ModuleCall, grad: Tensor) -> None:
-    """Tensor hook: the gradient of the loss sum with respect to a covered module's output."""
-    call.output_grad = grad.detach()
-
-
 def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
     """Refuse per-batch (not per-example) losses and covered calls whose dim 0 is not the example."""
     if losses.dim() != 1:
         raise ValueError(f"loss_fn must return one loss per example, shape [B]; got shape {tuple(losses.shape)}")
     for call in calls:
-        if call.activation.dim() == 0 or call.activation.shape[0] != losses.shape[0]:
+        if not call.input_shape or call.input_shape[0] != losses.shape[0]:
             raise ValueError(
                 f"{call.name!r} ({type(call.module).__name__}) received input of shape "
-                f"{tuple(call.activation.shape)} for a batch of {losses.shape[0]} examples: ghost clipping needs "
+                f"{call.input_shape} for a batch of {losses.shape[0]} examples: ghost clipping needs "
                 f"dim 0 to be the example (e.g. pass position_ids of shape [B, T], not [1, T])"
             )
 
@@ -419,18 +453,29 @@ def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtyp
     """Each trainable parameter's per-example gradient uses (by parameter ``id``) from the recorded calls."""
     uses: dict[int, list[GradientUse]] = {}
     for call in calls:
-        if call.output_grad is None:  # the output did not reach the loss: this call contributes nothing
-            continue
-        activation, output_grad = call.activation, call.output_grad
-        if activation.is_floating_point() and activation.dtype != dtype:
-            activation = activation.to(dtype)
-        if output_grad.dtype != dtype:
-            output_grad = output_grad.to(dtype)
-        for name, use in call.rule.gradients(call.module, activation, output_grad).items():
-            param = getattr(call.module, name, None)
-            if isinstance(param, nn.Parameter) and id(param) in coverage.parameters:
-                uses.setdefault(id(param), []).append(use)
+        for key, use in call.uses if call.reduced else _call_uses(call, coverage, dtype):
+            uses.setdefault(key, []).append(use)
     return uses
+
+
+def _call_uses(call: ModuleCall, coverage: Coverage, dtype: torch.dtype) -> list[tuple[int, GradientUse]]:
+    """(parameter ``id``, per-example gradient use) of each trainable parameter one call used.
+
+    None for a call without an output gradient: its output did not reach the loss.
+    """
+    activation, output_grad = call.activation, call.output_grad
+    if activation is None or output_grad is None:
+        return []
+    if activation.is_floating_point() and activation.dtype != dtype:
+        activation = activation.to(dtype)
+    if output_grad.dtype != dtype:
+        output_grad = output_grad.to(dtype)
+    found = []
+    for name, use in call.rule.gradients(call.module, activation, output_grad).items():
+        key = coverage.parameter_key(call.module, name)
+        if key is not None:
+            found.append((key, use))
+    return found
 
 
 KEPT_ELEMENTS = 2**25

@@ -35,9 +35,15 @@ def test_units_are_numbered_by_first_appearance_with_each_rows_place() -> None:
 @pytest.mark.parametrize("kind", ["classifier", "language_model"])
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("policy", ["tied", "untied", "lora"])
-def test_each_users_clipped_sum_is_a_loop_of_one_backward_per_user(kind: str, family: str, policy: str) -> None:
-    """Users of 1, 2 and 7 rows: the Gram terms between a user's rows and the tied cross term included."""
-    model, batch = tiny_task(kind, family, policy), rows(kind, USERS)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_each_users_clipped_sum_is_a_loop_of_one_backward_per_user(
+    kind: str, family: str, policy: str, checkpointing: bool
+) -> None:
+    """Users of 1, 2 and 7 rows: the Gram terms between a user's rows and the tied cross term included.
+
+    With activation checkpointing, the calls normed in the backward pass as they complete are normed per user too.
+    """
+    model, batch = tiny_task(kind, family, policy, gradient_checkpointing=checkpointing), rows(kind, USERS)
     loss = model.per_example_loss
     users = per_unit_gradients(model, loss, {k: v for k, v in batch.items() if k != UNIT_KEY}, USERS)
     expected = clipped_sum(users, CLIP)

@@ -1,0 +1,201 @@
+"""What ghost clipping records of each covered module call: its input and its output gradient, checkpointing included.
+
+In the forward pass every call of a covered module keeps its input and, through a tensor hook on its output, gets
+the gradient of that output in the backward pass. Under activation checkpointing (a transformers
+``GradientCheckpointingLayer`` with ``gradient_checkpointing`` on, in training, with autograd on) the layer's
+forward runs a second time inside the backward pass, to recompute what it saved. A call inside such a layer does
+not keep its first input (that would keep alive the very activations checkpointing drops): it takes its input from
+the replay, paired by order with its own first call and checked against it (same shape, dtype and sum), and counts
+once. When a call holds both its input and its output gradient it is *complete*, and ``on_complete`` may reduce it
+at once (the engine forms small per-example gradients and lets both tensors go), so the recomputed inputs do not
+pile up either. A call whose gradient arrives without a recomputed input is refused by name after the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from dplit.privacy.clipping.norms import NormRule
+
+REPLAY_TOLERANCE = 1e-5
+"""Largest relative difference (of the sum, against the sum of magnitudes) between a first and a recomputed input."""
+
+
+@dataclass
+class ModuleCall:
+    """One call of a covered module: its input and, after the backward pass, its output gradient.
+
+    Attributes:
+        input_shape: the input's shape (also when the input itself is not kept).
+        recomputed: the call ran inside a checkpointed layer: ``activation`` is the replay's, ``None`` until then.
+        reduced: ``on_complete`` took what it needs; ``activation`` and ``output_grad`` were let go.
+        uses: what ``on_complete`` left of a reduced call: (parameter ``id``, its per-example gradient use).
+    """
+
+    name: str
+    module: nn.Module
+    rule: NormRule
+    activation: Tensor | None
+    grad_enabled: bool
+    input_shape: tuple[int, ...] = ()
+    output_grad: Tensor | None = None
+    recomputed: bool = False
+    reduced: bool = False
+    uses: list[tuple[int, Any]] = field(default_factory=list)
+    fingerprint: tuple[torch.Size, torch.dtype, float, float, int] | None = field(default=None, repr=False)
+
+
+def _fingerprint(activation: Tensor) -> tuple[torch.Size, torch.dtype, float, float, int]:
+    """Shape, dtype, sum and sum of magnitudes of the finite values (float64), and the count of the others.
+
+    A replay must give the same (a padding row may hold NaN: it is counted, not summed).
+    """
+    values = activation.detach()
+    if not values.is_floating_point():
+        values = values.double()
+    finite = torch.isfinite(values)
+    kept = torch.where(finite, values, 0.0)
+    total = float(kept.sum(dtype=torch.float64))
+    magnitude = float(kept.abs().sum(dtype=torch.float64))
+    return activation.shape, activation.dtype, total, magnitude, int(finite.numel() - finite.sum())
+
+
+class CallRecorder:
+    """Forward hooks on covered modules (and on checkpointed layers) for one forward and backward pass.
+
+    Args:
+        on_complete: called with each call recomputed under checkpointing once it holds its input and its
+            output gradient (in the backward pass); it may set ``call.reduced`` and drop both tensors.
+    """
+
+    def __init__(self, on_complete: Callable[[ModuleCall], None] | None = None) -> None:
+        self.calls: list[ModuleCall] = []
+        self._on_complete = on_complete
+        self._hooks = ExitStack()
+        self._checkpoint_depth = 0
+        self._checkpointing: list[bool] = []
+        self._invocations: Counter[int] = Counter()
+        self._pending: dict[int, deque[ModuleCall]] = {}
+        self._replaying = False
+
+    def attach(self, modules: Iterable[tuple[str, nn.Module, NormRule]], model: nn.Module) -> None:
+        """Record ``modules`` (name, module, rule) and watch the checkpointed layers of ``model``."""
+        for layer in model.modules():
+            if isinstance(layer, GradientCheckpointingLayer):
+                self._hooks.callback(layer.register_forward_pre_hook(self._enter_layer).remove)
+                self._hooks.callback(layer.register_forward_hook(self._exit_layer, always_call=True).remove)
+        for name, module, rule in modules:
+            hook = partial(self._record, name, rule)
+            handle = module.register_forward_hook(hook, with_kwargs=True, prepend=True)  # first: the module's output
+            self._hooks.callback(handle.remove)
+
+    def forward_done(self) -> None:
+        """The forward pass is over: a covered module's forward from now on is checkpointing's replay."""
+        self._replaying = True
+
+    def remove_hooks(self) -> None:
+        """Remove every hook this recorder placed."""
+        self._hooks.close()
+
+    def check_paired(self) -> None:
+        """After the backward pass: refuse a call whose output gradient arrived without its recomputed input."""
+        for call in self.calls:
+            if call.recomputed and call.output_grad is not None and call.activation is None and not call.reduced:
+                raise ValueError(
+                    f"{call.name!r} ({type(call.module).__name__}) ran inside an activation-checkpointed layer whose "
+                    "forward was not replayed in the backward pass, so its gradient cannot be paired with its input: "
+                    "set model.gradient_checkpointing=false"
+                )
+
+    def calls_per_module(self) -> Counter[int]:
+        """How many times each covered module (by ``id``) ran in the forward pass."""
+        return Counter(id(call.module) for call in self.calls)
+
+    def _enter_layer(self, layer: nn.Module, *args: Any) -> None:
+        """Forward pre-hook of a checkpointable layer: note whether its forward is checkpointed this time."""
+        checkpointed = bool(layer.gradient_checkpointing and layer.training and torch.is_grad_enabled())
+        if checkpointed and not self._replaying:
+            self._invocations[id(layer)] += 1
+            if self._invocations[id(layer)] > 1:
+                raise ValueError(
+                    f"{type(layer).__name__} ran twice in one forward pass under activation checkpointing: ghost "
+                    "clipping pairs each recomputed input with its call by layer; set model.gradient_checkpointing=false"
+                )
+        self._checkpointing.append(checkpointed)
+        self._checkpoint_depth += checkpointed
+
+    def _exit_layer(self, layer: nn.Module, *args: Any) -> None:
+        """Forward hook of a checkpointable layer."""
+        self._checkpoint_depth -= self._checkpointing.pop()
+
+    def _record(
+        self, name: str, rule: NormRule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> Tensor | None:
+        """Forward hook: keep the input (or, inside a checkpointed layer, wait for its replay); hook the output."""
+        activation = args[0] if args else next(iter(kwargs.values()))
+        if self._replaying:
+            self._take_replayed(module, activation)
+            return _graph_start(output) if torch.is_grad_enabled() and isinstance(output, Tensor) else None
+        call = ModuleCall(name, module, rule, activation.detach(), torch.is_grad_enabled(), tuple(activation.shape))
+        if self._checkpoint_depth and call.grad_enabled:  # recomputed in the backward pass: do not keep it now
+            call.recomputed, call.fingerprint, call.activation = True, _fingerprint(activation), None
+            self._pending.setdefault(id(module), deque()).append(call)
+        self.calls.append(call)
+        if not call.grad_enabled:
+            return None
+        if not isinstance(output, Tensor):
+            raise ValueError(f"{name!r} ({type(module).__name__}) returned {type(output).__name__}, not a Tensor")
+        output = _graph_start(output)
+        output.register_hook(partial(self._store_output_grad, call))
+        return output
+
+    def _take_replayed(self, module: nn.Module, activation: Tensor) -> None:
+        """Give the oldest waiting call of ``module`` its recomputed input, checked against its first one.
+
+        The replay of a call that kept its own input (under a checkpoint this recorder did not see) is ignored.
+        """
+        waiting = self._pending.get(id(module))
+        if not waiting:
+            return
+        call = waiting.popleft()
+        assert call.fingerprint is not None
+        shape, dtype, total, magnitude, non_finite = call.fingerprint
+        replayed = _fingerprint(activation)
+        same = replayed[:2] == (shape, dtype) and replayed[4] == non_finite and math.isclose(
+            replayed[2], total, rel_tol=0.0, abs_tol=REPLAY_TOLERANCE * max(magnitude, replayed[3], 1e-30)
+        )
+        if not same:  # never pair a gradient with another input: the norm would be wrong
+            raise ValueError(
+                f"{call.name!r} ({type(call.module).__name__}): the input recomputed by activation checkpointing "
+                "differs from the first forward's, so ghost clipping cannot pair it; set model.gradient_checkpointing=false"
+            )
+        call.activation = activation.detach()
+        self._complete(call)
+
+    def _store_output_grad(self, call: ModuleCall, grad: Tensor) -> None:
+        """Tensor hook: the gradient of the loss sum with respect to a covered module's output."""
+        call.output_grad = grad.detach()
+        if call.recomputed:
+            self._complete(call)
+
+    def _complete(self, call: ModuleCall) -> None:
+        """Hand a recomputed call that holds both tensors to ``on_complete``."""
+        if call.activation is not None and call.output_grad is not None and self._on_complete is not None:
+            self._on_complete(call)
+
+
+def _graph_start(output: Tensor) -> Tensor:
+    """``output``, or, when nothing upstream is trained (e.g. an embedding), a fresh node that starts the graph."""
+    if output.requires_grad:
+        return output
+    return output.detach().requires_grad_().clone()  # a non-leaf, so later in-place ops stay legal
