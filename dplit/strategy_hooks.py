@@ -33,8 +33,8 @@ from dplit.step_logging import log_clipping, log_spend
 from dplit.strategy_checks import check_module, check_trainer
 
 UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
-"""The facts TensorBoard's hyperparameters show as ``privacy/*`` (``largest_user_rows`` only as a private diagnostic)."""
-"""What TensorBoard's hyperparameters show of the privacy unit and the clipping mode (public counts and names)."""
+"""What TensorBoard's hyperparameters show as ``privacy/*``: the privacy unit's public counts and the clipping mode's
+name, and the largest user's row count while it is a private diagnostic this run states."""
 
 
 class DPSGDHooks:

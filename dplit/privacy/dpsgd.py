@@ -601,11 +601,15 @@ class DPSGD:
             mechanism=self.settings.accountant, prior=prior,
         )  # fmt: skip
 
-    def _unit_facts(self) -> dict[str, Any]:
-        """The privacy unit's facts: ``example``, or the user-level counts (the largest user's rows as a diagnostic)."""
+    def _unit_facts(self, *, public_only: bool = False) -> dict[str, Any]:
+        """The privacy unit's facts: ``example``, or the user-level counts (the largest user's rows as a diagnostic).
+
+        Args:
+            public_only: leave the largest user's row count out even when ``private_diagnostics`` is on.
+        """
         if self._user_level is None:
             return {"privacy_unit": "example"}
-        return self._user_level.facts(private_diagnostics=self.settings.private_diagnostics)
+        return self._user_level.facts(private_diagnostics=self.settings.private_diagnostics and not public_only)
 
     def _segment_facts(self) -> dict[str, Any]:
         """This run's public parameters, as its segment of the weights' privacy history records them."""
@@ -616,7 +620,7 @@ class DPSGD:
             "mechanism": self.settings.accountant,
             "noise": self.noise_source.describe(),
             "noise_secure": self.noise_source.secure,
-            **self._unit_facts(),
+            **self._unit_facts(public_only=True),  # the weights' history holds no diagnostic (it outlives the run)
         }
 
     # --- checks ----------------------------------------------------------------------------------------------------

@@ -24,9 +24,9 @@ NOT_COVERED = (
     "privacy that this ε does not count",
     "the diagnostics a run logs unless DPStrategy.private_diagnostics=false: train/* (loss, accuracy), dp/grad_norm, "
     "dp/clip_fraction, dp/dropped_examples, perf/samples_per_sec (the realised batch size), memory/peak_mb, the "
-    "longest training prompt the GLUE datamodule reports and, under user-level DP, the largest user's row count (on "
-    "this card too) are computed from the private data without noise, so they "
-    "must not leave the trust boundary",
+    "longest training prompt the GLUE datamodule reports and, under user-level DP, the largest user's row count "
+    "are computed from the private data without noise, so they must not leave the trust boundary; where this card "
+    "states that count, publish the card only if the count may be published",
     "validation metrics computed on data that is itself private (val/*): only the model's weights are covered",
     "the non-secure RNG: noise and Poisson sampling come from torch's generators seeded from the operating "
     "system's entropy, not from a cryptographically secure sampler, and floating-point noise is not "

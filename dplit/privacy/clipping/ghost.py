@@ -385,8 +385,9 @@ class RecomputedNorms:
 
     A recomputed call's weight used once whose norm materialises its per-example gradients (:func:`_keepable`) is
     normed at once (the same float64 arithmetic and rounding slack as after the backward) and keeps those
-    gradients for the clipped sum; its other uses (biases, norm scales, factored weights) are kept as uses. Either
-    way the call lets its input and output gradient go, so checkpointing's recomputed inputs do not pile up.
+    gradients for the clipped sum, so the call's input and output gradient go at once: LoRA's factors, whose
+    recomputed inputs then never pile up. Its other uses (biases, norm scales, weights normed by their Grams) are
+    kept as uses, for after the backward pass; a factored one still holds the input and the output gradient.
 
     Attributes:
         squared: per-example ‖G‖² [B] of the parameters normed here, by ``id``.
@@ -406,9 +407,11 @@ class RecomputedNorms:
         """Norm what can be normed of a complete recomputed call; keep its other uses; let its tensors go."""
         assert call.activation is not None
         with torch.no_grad(), torch.autocast(call.activation.device.type, enabled=False):
-            for key, use in _call_uses(call, self._coverage, self._dtype):
-                grouped = grouped_use(use, self._units) if self._units is not None else use
-                if self._used_once(key) and _keepable(grouped, self.room):
+            found = _call_uses(call, self._coverage, self._dtype)
+            in_call = Counter(key for key, _ in found)  # a parameter held under two attributes: two uses
+            for key, use in found:
+                grouped = grouped_use(use, self._units) if self._units is not None and in_call[key] == 1 else use
+                if in_call[key] == 1 and self._used_once(key) and _keepable(grouped, self.room):
                     self.squared[key], self.kept[key] = materialised_parameter_squared_norm(grouped)
                     self.room -= self.kept[key].numel()
                 else:

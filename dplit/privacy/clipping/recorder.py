@@ -5,7 +5,7 @@ the gradient of that output in the backward pass. Under activation checkpointing
 ``GradientCheckpointingLayer`` with ``gradient_checkpointing`` on, in training, with autograd on) the layer's
 forward runs a second time inside the backward pass, to recompute what it saved. A call inside such a layer does
 not keep its first input (that would keep alive the very activations checkpointing drops): it takes its input from
-the replay, paired by order with its own first call and checked against it (same shape, dtype and sum), and counts
+the replay, matched to its own first call (same shape, dtype and sampled values), and counts
 once. When a call holds both its input and its output gradient it is *complete*, and ``on_complete`` may reduce it
 at once (the engine forms small per-example gradients and lets both tensors go), so the recomputed inputs do not
 pile up either. A call whose gradient arrives without a recomputed input is refused by name after the backward.
@@ -13,8 +13,7 @@ pile up either. A call whose gradient arrives without a recomputed input is refu
 
 from __future__ import annotations
 
-import math
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -28,10 +27,50 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from dplit.privacy.clipping.norms import NormRule
 
 REPLAY_TOLERANCE = 1e-5
-"""Largest relative difference (of the sum, against the sum of magnitudes) between a first and a recomputed input."""
+"""Largest relative difference between a first and a recomputed input at the sampled places."""
+FINGERPRINT_SAMPLES = 256
+"""How many evenly spaced elements of an input its fingerprint holds (a replay must give the same there)."""
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
+class Fingerprint:
+    """What a replayed input must match: the first input's shape, dtype and a sample of its values (float64)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sample: Tensor
+
+    @classmethod
+    def of(cls, activation: Tensor) -> Fingerprint:
+        """The fingerprint of ``activation`` (a copy of at most :data:`FINGERPRINT_SAMPLES` values, not a view)."""
+        flat = activation.detach().reshape(-1)  # a view of a contiguous input
+        step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
+        sample = flat[::step][:FINGERPRINT_SAMPLES].to(torch.float64).clone()  # cloned: holds no input alive
+        return cls(tuple(activation.shape), activation.dtype, sample)
+
+    def matches(self, other: Fingerprint) -> bool:
+        """Same shape and dtype, and the same values at the sampled places (NaN where NaN)."""
+        return all_match([(self, other)])
+
+
+def all_match(pairs: list[tuple[Fingerprint, Fingerprint]]) -> bool:
+    """Whether each pair matches (same shape, dtype and sampled values), compared at once: one device sync."""
+    if not pairs:
+        return True
+    if any((first.shape, first.dtype) != (second.shape, second.dtype) for first, second in pairs):
+        return False
+    first = torch.cat([a.sample for a, _ in pairs])  # [S]: every pair's samples, one after another
+    second = torch.cat([b.sample for _, b in pairs])  # [S]
+    scales = torch.stack([a.sample.nan_to_num(0.0, 0.0, 0.0).abs().amax() if a.sample.numel() else first.new_zeros(())
+                          for a, _ in pairs])  # fmt: skip
+    counts = torch.tensor([a.sample.numel() for a, _ in pairs], device=first.device)
+    slack = REPLAY_TOLERANCE * (second.abs() + scales.repeat_interleave(counts))  # rtol·|b| + atol of its pair
+    close = (first - second).abs() <= slack
+    both_nan = first.isnan() & second.isnan()
+    return bool((close | both_nan).all())
+
+
+@dataclass(eq=False)  # identity: calls hold tensors
 class ModuleCall:
     """One call of a covered module: its input and, after the backward pass, its output gradient.
 
@@ -52,22 +91,7 @@ class ModuleCall:
     recomputed: bool = False
     reduced: bool = False
     uses: list[tuple[int, Any]] = field(default_factory=list)
-    fingerprint: tuple[torch.Size, torch.dtype, float, float, int] | None = field(default=None, repr=False)
-
-
-def _fingerprint(activation: Tensor) -> tuple[torch.Size, torch.dtype, float, float, int]:
-    """Shape, dtype, sum and sum of magnitudes of the finite values (float64), and the count of the others.
-
-    A replay must give the same (a padding row may hold NaN: it is counted, not summed).
-    """
-    values = activation.detach()
-    if not values.is_floating_point():
-        values = values.double()
-    finite = torch.isfinite(values)
-    kept = torch.where(finite, values, 0.0)
-    total = float(kept.sum(dtype=torch.float64))
-    magnitude = float(kept.abs().sum(dtype=torch.float64))
-    return activation.shape, activation.dtype, total, magnitude, int(finite.numel() - finite.sum())
+    fingerprint: Fingerprint | None = field(default=None, repr=False)
 
 
 class CallRecorder:
@@ -84,8 +108,8 @@ class CallRecorder:
         self._hooks = ExitStack()
         self._checkpoint_depth = 0
         self._checkpointing: list[bool] = []
-        self._invocations: Counter[int] = Counter()
-        self._pending: dict[int, deque[ModuleCall]] = {}
+        self._pending: dict[int, list[ModuleCall]] = {}
+        self._unchecked: list[tuple[ModuleCall, Fingerprint]] = []
         self._replaying = False
 
     def attach(self, modules: Iterable[tuple[str, nn.Module, NormRule]], model: nn.Module) -> None:
@@ -108,7 +132,14 @@ class CallRecorder:
         self._hooks.close()
 
     def check_paired(self) -> None:
-        """After the backward pass: refuse a call whose output gradient arrived without its recomputed input."""
+        """After the backward pass: refuse a replay unlike its first input, or a gradient without its replay.
+
+        The replays of modules run once are compared here, all at once.
+        """
+        checks = [(call.fingerprint, replayed) for call, replayed in self._unchecked if call.fingerprint is not None]
+        if not all_match(checks):
+            wrong = next(call for call, replayed in self._unchecked if not all_match([(call.fingerprint, replayed)]))
+            raise ValueError(_replay_differs(wrong))
         for call in self.calls:
             if call.recomputed and call.output_grad is not None and call.activation is None and not call.reduced:
                 raise ValueError(
@@ -124,13 +155,6 @@ class CallRecorder:
     def _enter_layer(self, layer: nn.Module, *args: Any) -> None:
         """Forward pre-hook of a checkpointable layer: note whether its forward is checkpointed this time."""
         checkpointed = bool(layer.gradient_checkpointing and layer.training and torch.is_grad_enabled())
-        if checkpointed and not self._replaying:
-            self._invocations[id(layer)] += 1
-            if self._invocations[id(layer)] > 1:
-                raise ValueError(
-                    f"{type(layer).__name__} ran twice in one forward pass under activation checkpointing: ghost "
-                    "clipping pairs each recomputed input with its call by layer; set model.gradient_checkpointing=false"
-                )
         self._checkpointing.append(checkpointed)
         self._checkpoint_depth += checkpointed
 
@@ -148,8 +172,8 @@ class CallRecorder:
             return _graph_start(output) if torch.is_grad_enabled() and isinstance(output, Tensor) else None
         call = ModuleCall(name, module, rule, activation.detach(), torch.is_grad_enabled(), tuple(activation.shape))
         if self._checkpoint_depth and call.grad_enabled:  # recomputed in the backward pass: do not keep it now
-            call.recomputed, call.fingerprint, call.activation = True, _fingerprint(activation), None
-            self._pending.setdefault(id(module), deque()).append(call)
+            call.recomputed, call.fingerprint, call.activation = True, Fingerprint.of(activation), None
+            self._pending.setdefault(id(module), []).append(call)
         self.calls.append(call)
         if not call.grad_enabled:
             return None
@@ -160,25 +184,25 @@ class CallRecorder:
         return output
 
     def _take_replayed(self, module: nn.Module, activation: Tensor) -> None:
-        """Give the oldest waiting call of ``module`` its recomputed input, checked against its first one.
+        """Give a waiting call of ``module`` its recomputed input: the one whose first input it matches.
 
-        The replay of a call that kept its own input (under a checkpoint this recorder did not see) is ignored.
+        With one call waiting (a module run once) the check waits for :meth:`check_paired`, with the others (one
+        comparison, no device sync per call); a module run more than once (a layer called twice, whose replays
+        come in reverse order) is matched now. The replay of a call that kept its own input (under a checkpoint
+        this recorder did not see) is ignored.
         """
         waiting = self._pending.get(id(module))
         if not waiting:
             return
-        call = waiting.popleft()
-        assert call.fingerprint is not None
-        shape, dtype, total, magnitude, non_finite = call.fingerprint
-        replayed = _fingerprint(activation)
-        same = replayed[:2] == (shape, dtype) and replayed[4] == non_finite and math.isclose(
-            replayed[2], total, rel_tol=0.0, abs_tol=REPLAY_TOLERANCE * max(magnitude, replayed[3], 1e-30)
-        )
-        if not same:  # never pair a gradient with another input: the norm would be wrong
-            raise ValueError(
-                f"{call.name!r} ({type(call.module).__name__}): the input recomputed by activation checkpointing "
-                "differs from the first forward's, so ghost clipping cannot pair it; set model.gradient_checkpointing=false"
-            )
+        replayed = Fingerprint.of(activation)
+        if len(waiting) == 1:
+            call = waiting.pop()
+            self._unchecked.append((call, replayed))
+        else:
+            call = next((c for c in waiting if c.fingerprint is not None and c.fingerprint.matches(replayed)), None)
+            if call is None:
+                raise ValueError(_replay_differs(waiting[0]))
+            waiting.remove(call)
         call.activation = activation.detach()
         self._complete(call)
 
@@ -199,3 +223,11 @@ def _graph_start(output: Tensor) -> Tensor:
     if output.requires_grad:
         return output
     return output.detach().requires_grad_().clone()  # a non-leaf, so later in-place ops stay legal
+
+
+def _replay_differs(call: ModuleCall) -> str:
+    """The one-line refusal of a replayed input that differs from the first (no value of it: it is private)."""
+    return (
+        f"{call.name!r} ({type(call.module).__name__}): the input recomputed by activation checkpointing differs from "
+        "the first forward's, so ghost clipping cannot pair it; set model.gradient_checkpointing=false"
+    )
