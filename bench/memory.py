@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 autocast, bf16 compute")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--checkpointed-share", type=float, default=1.0,
+                        help="model.checkpointed_share of the checkpointed arms (the first ⌈share·L⌉ blocks)")
     parser.add_argument("--max-grad-norm", type=float, default=0.1)
     parser.add_argument("--note", default="", help="a sentence for table.md (e.g. what else ran on the machine)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory")
@@ -120,6 +122,7 @@ def build_model(args: argparse.Namespace, arm: str, folder: str, device: Any) ->
         pretrained=folder, embeddings=TiedEmbeddings(), label_word_ids=words, dropout=0.0,
         peft=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA_TARGETS["llama"]),
         quantization=quantization, gradient_checkpointing=arm.endswith("_checkpointed"),
+        checkpointed_share=args.checkpointed_share if arm.endswith("_checkpointed") else 1.0,
     )  # fmt: skip
     return model.to(device).train()
 
@@ -235,7 +238,8 @@ def table(results: dict[str, Any]) -> str:
         f"Machine: {machine_line(results['machine'])}. Run {results['created']}, dplit at "
         f"{results['git']['describe']}. Command: `{results['command']}`.", "",
         f"B = {s['batch_size']}, T = {s['seq_len']}, rank-8 LoRA on every projection, tied embedding (frozen), "
-        f"{s['steps']} timed steps after {s['warmup']} warm-up, each arm in a fresh process; DP: σ = 1, "
+        f"{s['steps']} timed steps after {s['warmup']} warm-up, each arm in a fresh process; checkpointed arms "
+        f"recompute {_share_text(s.get('checkpointed_share', 1.0))}; DP: σ = 1, "
         f"C = {s['max_grad_norm']}, ghost clipping, one micro-batch; "
         f"{'bf16 autocast, 4-bit compute bf16' if s['device'] == 'cuda' else 'float32, 4-bit compute float32'}. "
         f"Peak: {memory}; at rest: after the warm-up steps; step = peak − at rest (the step's working memory).", "",
@@ -244,6 +248,11 @@ def table(results: dict[str, Any]) -> str:
         "model MiB |", "|---|---|---:|---:|---:|---:|---:|---:|---:|", *map(arm_row, arms), "",
         *ratio_table(results["ratios"]), "",
     ])  # fmt: skip
+
+
+def _share_text(share: float) -> str:
+    """Which blocks the checkpointed arms recompute, for the table's settings line."""
+    return "every block" if share == 1.0 else f"the first ⌈{share:g} · L⌉ blocks (model.checkpointed_share)"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

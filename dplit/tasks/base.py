@@ -91,6 +91,8 @@ class CausalLMModule(LightningModule, ABC):
         gradient_checkpointing: recompute each transformer block's activations in the backward pass instead of
             keeping them (less memory for long sequences and large batches, about one more forward pass of
             time); exact under the ghost engine, refused by ``clipping="per_example"``.
+        checkpointed_share: with ``gradient_checkpointing``, the share of transformer blocks recomputed (the first
+            ⌈share · blocks⌉, in (0, 1], default all): the others keep their activations, trading memory for time.
         lr: AdamW peak learning rate (finite, > 0).
         weight_decay: AdamW weight decay (≥ 0).
         betas: AdamW betas (each in [0, 1)).
@@ -117,6 +119,7 @@ class CausalLMModule(LightningModule, ABC):
         attn_implementation: Literal["eager", "sdpa"] = "eager",
         quantization: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
+        checkpointed_share: float = 1.0,
         lr: float = 5e-4,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -150,7 +153,12 @@ class CausalLMModule(LightningModule, ABC):
         _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
         if gradient_checkpointing:
-            enable_activation_checkpointing(self.backbone)
+            enable_activation_checkpointing(self.backbone, share=checkpointed_share)
+        elif checkpointed_share != 1.0:
+            raise ValueError(
+                f"model.checkpointed_share={checkpointed_share!r} needs model.gradient_checkpointing=true (it is the "
+                "share of blocks recomputed)"
+            )
         if peft is not None:
             apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
         elif train_embeddings is not None:

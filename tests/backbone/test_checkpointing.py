@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
@@ -16,9 +17,9 @@ CLIP = 0.05
 """Small enough that every example is clipped."""
 
 
-def task(kind: str, family: str, policy: str, *, checkpointing: bool) -> CausalLMModule:
+def task(kind: str, family: str, policy: str, *, checkpointing: bool, **settings: object) -> CausalLMModule:
     """The tiny task, with or without recomputed blocks (seed 0: the same weights either way)."""
-    return tiny_task(kind, family, policy, gradient_checkpointing=checkpointing)
+    return tiny_task(kind, family, policy, gradient_checkpointing=checkpointing, **settings)
 
 
 def batch_for(kind: str) -> dict[str, torch.Tensor]:
@@ -62,3 +63,34 @@ def test_evaluation_does_not_recompute() -> None:
     checkpointed, plain = (task("classifier", "llama", "tied", checkpointing=on).eval() for on in (True, False))
     with torch.no_grad():
         torch.testing.assert_close(checkpointed.per_example_loss(batch), plain.per_example_loss(batch))
+
+
+@pytest.mark.parametrize(("family", "policy"), [("gpt2", "tied"), ("llama", "lora")])
+def test_a_share_of_the_blocks_recomputed_is_exact(family: str, policy: str) -> None:
+    """``checkpointed_share=0.5`` of 2 blocks: the first is recomputed, the second keeps its activations; exact."""
+    batch = batch_for("classifier")
+    model = task("classifier", family, policy, checkpointing=True, checkpointed_share=0.5)
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    assert [block.gradient_checkpointing for block in blocks] == [True, False]
+    stats, grads = run(GhostEngine(model, max_grad_norm=CLIP), model, model.per_example_loss, batch)
+    examples = per_example_gradients(model, model.per_example_loss, batch)
+    assert_close(stats.norms, gradient_norms(examples))
+    expected = clipped_sum(examples, CLIP)
+    for name, grad in grads.items():
+        assert_close(grad, expected[name])
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"gradient_checkpointing": True, "checkpointed_share": 0.0}, r"model.checkpointed_share=0.0: must be"),
+        ({"gradient_checkpointing": True, "checkpointed_share": 1.5}, r"model.checkpointed_share=1.5: must be"),
+        ({"checkpointed_share": 0.5}, r"model.checkpointed_share=0.5 needs model.gradient_checkpointing=true"),
+    ],
+)
+def test_a_share_out_of_range_or_without_checkpointing_is_refused_in_one_line(
+    settings: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as refused:
+        tiny_task("classifier", "llama", "tied", **settings)
+    assert "\n" not in str(refused.value)

@@ -289,6 +289,16 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("dropout-above-one", flags("--model.dropout", "1.5"), r"^model\.dropout=1\.5: must be a probability in \[0, 1\]$"),
     ("config-dropout-negative", flags("--model.config", '{"n_layer": 2, "n_embd": 64, "n_head": 4, "n_positions": 64, "resid_pdrop": -0.1}'), r"^model\.config\.resid_pdrop=-0\.1: must be a probability in \[0, 1\]$"),
     ("negative-learning-rate", flags("--model.lr", "-0.001"), r"^model\.lr=-0\.001: must be a finite number > 0$"),
+    (
+        "checkpointed-share-without-checkpointing",
+        flags("--model.checkpointed_share", "0.5"),
+        r"^model\.checkpointed_share=0\.5 needs model\.gradient_checkpointing=true",
+    ),
+    (
+        "checkpointed-share-above-one",
+        flags("--model.gradient_checkpointing", "true", "--model.checkpointed_share", "2"),
+        r"^model\.checkpointed_share=2\.0: must be a finite number in \(0, 1\]$",
+    ),
     ("everything-frozen", flags("--model.freeze", '["backbone"]'), r"^model\.freeze=\['backbone'\] froze every parameter: nothing to train$"),
     ("freeze-prefix-typo", flags("--model.freeze", '["backbone.transfomer.wpe"]'), r"^model\.freeze: no parameter name starts with 'backbone\.transfomer\.wpe' \(did you mean 'backbone\.transformer\.wpe'\?\)$"),
     ("per-example-with-sdpa", flags("--trainer.strategy.init_args.clipping", "per_example", "--model.attn_implementation", "sdpa"), r"^DPStrategy\.clipping=per_example cannot run model\.attn_implementation='sdpa'"),
