@@ -46,6 +46,25 @@ def same_settings(recorded: dict[str, str], settings: dict[str, str]) -> bool:
     }
 
 
+def planned_runs(
+    seeds: list[int], arms: dict[str, dict[str, Any]], done: set[str], stamp: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The runs of ``seeds`` not in ``done``, seed by seed (every arm of a seed together), named ``{arm}_seed{seed}``.
+
+    Args:
+        seeds: the pairing seeds of this sitting.
+        arms: each arm's own fields, by arm name.
+        done: the names of the runs already recorded.
+        stamp: what this sitting writes into each row (:func:`bench.study.record.run_stamp`).
+    """
+    return [
+        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, **fields, **(stamp or {})}
+        for seed in seeds
+        for arm, fields in arms.items()
+        if f"{arm}_seed{seed}" not in done
+    ]
+
+
 def earlier_sitting(
     out: Path, settings: dict[str, str], migrate: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.study.resume import earlier_sitting, study_settings
-from bench.user_level import main, migrate, parse_args, planned_runs, table, user_batch, write_user_tsv
+from bench.study.resume import earlier_sitting, planned_runs, study_settings
+from bench.user_level import NOT_RECORDED, main, migrate, parse_args, table, user_batch, write_user_tsv
 from dplit.data.users import synthetic_users
 
 
@@ -59,15 +59,20 @@ def test_the_recorded_study_resumes_without_rerunning_its_finished_runs() -> Non
     previous, kept = earlier_sitting(recorded, study_settings(args), migrate)
     finished = {(row["arm"], row["seed"]) for row in kept}
     assert {("example", 0), ("user", 0)} <= finished  # the first sitting's runs, named by arm alone, are seed 0
-    planned = planned_runs(args.seeds, {"example": 8, "user": 2}, {row["name"] for row in kept})
+    planned = planned_runs(args.seeds, ARMS, {row["name"] for row in kept})
     assert not {(run["arm"], run["seed"]) for run in planned} & finished
     assert {run["seed"] for run in planned} <= set(args.seeds) == {0, 1, 2, 3, 4}
 
 
+ARMS = {"example": {"privacy_unit": "example", "batch_size": 8}, "user": {"privacy_unit": "user", "batch_size": 2}}
+
+
 def test_planned_runs_pair_both_arms_of_each_seed() -> None:
-    planned = planned_runs([0, 1, 2], {"example": 8, "user": 2}, {"example_seed0", "user_seed0", "user_seed1"})
+    stamp = {"git": "abc", "machine": "test cpu"}
+    planned = planned_runs([0, 1, 2], ARMS, {"example_seed0", "user_seed0", "user_seed1"}, stamp)
     assert [(r["arm"], r["seed"], r["batch_size"]) for r in planned] == [("example", 1, 8), ("example", 2, 8),
                                                                         ("user", 2, 2)]  # fmt: skip
+    assert all(r["git"] == "abc" and r["machine"] == "test cpu" and r["privacy_unit"] == r["arm"] for r in planned)
 
 
 def test_a_study_with_other_settings_is_refused_and_a_moved_one_resumes(tmp_path: Path) -> None:
@@ -100,3 +105,13 @@ def test_the_first_sittings_runs_are_read_as_seed_0() -> None:
     results = migrate({**record([]), "seeds": [0], "runs": [old]})
     assert results["runs"] == [{**old, "name": "user_seed0", "arm": "user", "seed": 0, "git": "abc"}]
     assert migrate(results) == results
+
+
+def test_the_footer_names_every_commit_and_machine_of_the_runs_it_tabulates() -> None:
+    runs = [run("example", 0, 0.8, git="old"), run("user", 0, 0.8, git="old")]  # recorded before rows named machines
+    runs += [run(arm, 1, 0.8, git="new", machine="cpu A") for arm in ("example", "user")]
+    runs += [run(arm, 2, 0.8, git="new", machine="cpu B; torch 9") for arm in ("example", "user")]
+    text = table(record(runs))
+    assert "Runs by commit: seeds [0] at `old`; seeds [1, 2] at `new`." in text
+    assert f"- seeds [0]: {NOT_RECORDED}\n- seeds [1]: cpu A\n- seeds [2]: cpu B; torch 9\n" in text
+    assert "Last sitting. Machine: test cpu, 2 logical CPUs, 1.0 GiB, no GPU; torch x" in text
