@@ -13,7 +13,8 @@ clipping: ``fixed`` at C in ``--fixed-bounds``, ``quantile`` (γ = 0.5 from C_0 
 ``automatic`` (C = 1, γ_stability at its default). Runs are paired by seed: a seed fixes the initialisation, the data
 order, the Poisson batches and the noise's seed for every arm. The paired statistics compare each adaptive mode with
 each fixed C. With AdamW the update does not scale with the gradient's size, so one learning rate serves every arm.
-Results: ``--out``/results.json and table.md (default bench/results/clip_modes/), naming the machine.
+Results: ``--out``/results.json and table.md (default bench/results/clip_modes/), naming the machine; each run's row
+names the commit and machine it ran on (:func:`bench.study.record.run_stamp`).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
 from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
-from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, write_json
-from bench.study.resume import add_seed_arguments, earlier_sitting, render, study_settings
+from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, run_stamp, write_json
+from bench.study.resume import add_seed_arguments, earlier_sitting, planned_runs, render, study_settings
 from bench.tying.arms import dplit_args
 
 STRATEGY = "--trainer.strategy.init_args."
@@ -83,13 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out / "results.json"
     settings = study_settings(args)
     previous, kept = earlier_sitting(args.out, settings)
-    done = {row["name"] for row in kept}
-    runs = [
-        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "max_grad_norm": arms[arm][0]}
-        for seed in args.seeds
-        for arm in arms
-        if f"{arm}_seed{seed}" not in done
-    ]
+    git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
+    fields = {arm: {"max_grad_norm": bound} for arm, (bound, _) in arms.items()}
+    runs = planned_runs(args.seeds, fields, {row["name"] for row in kept}, run_stamp(machine, git))
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))
@@ -97,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": "python -m bench.clip_modes",
         "settings": settings,
-        "machine": machine_info(args.threads),
-        "git": git_info("dplit", "configs", "bench"),
+        "machine": machine,
+        "git": git,
         "model": sst2.model_line(sources),
         "runs": kept,
         "wall_s": previous.get("wall_s", 0.0),

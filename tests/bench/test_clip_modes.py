@@ -6,10 +6,16 @@ bench/results/clip_modes/.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from bench import clip_modes
 from bench.clip_modes import STRATEGY, arm_flags, parse_args, table
+from bench.machine import git_info
 from dplit.privacy.settings import DPSGDSettings
+from tests.bench.study_sitting import MACHINE_LINE, data_root, sitting, study_argv
 
 
 def test_every_arm_is_a_valid_dpstrategy_setting_at_its_own_bound() -> None:
@@ -49,3 +55,11 @@ def test_the_table_pairs_each_adaptive_mode_with_each_fixed_bound_by_seed() -> N
 def test_bad_arguments_are_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(bad)
+
+
+def test_each_new_row_records_the_commit_and_machine_it_ran_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = sitting(clip_modes, monkeypatch, study_argv(tmp_path, data_root(tmp_path), "--seeds", "0", "--jobs", "1"))
+    assert [run["name"] for run in planned] == [f"{arm}_seed0" for arm in arm_flags(parse_args([]))]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    describe = git_info("dplit", "configs", "bench")["describe"]
+    assert all(row["git"] == describe and row["machine"] == MACHINE_LINE for row in rows)

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from bench import user_level
+from bench.machine import git_info
 from bench.study.resume import earlier_sitting, planned_runs, study_settings
 from bench.user_level import NOT_RECORDED, main, migrate, parse_args, table, user_batch, write_user_tsv
 from dplit.data.users import synthetic_users
+from tests.bench.study_sitting import MACHINE_LINE, data_root, sitting, study_argv
 
 
 def test_write_user_tsv_adds_the_seeded_users(tmp_path: Path) -> None:
@@ -115,3 +118,15 @@ def test_the_footer_names_every_commit_and_machine_of_the_runs_it_tabulates() ->
     assert "Runs by commit: seeds [0] at `old`; seeds [1, 2] at `new`." in text
     assert f"- seeds [0]: {NOT_RECORDED}\n- seeds [1]: cpu A\n- seeds [2]: cpu B; torch 9\n" in text
     assert "Last sitting. Machine: test cpu, 2 logical CPUs, 1.0 GiB, no GPU; torch x" in text
+
+
+def test_a_sitting_stamps_each_new_row_with_its_commit_and_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = study_argv(tmp_path, data_root(tmp_path), "--train-rows", "40", "--seeds", "0", "1")
+    assert [run["name"] for run in sitting(user_level, monkeypatch, argv)] == [
+        "example_seed0", "user_seed0", "example_seed1", "user_seed1"]  # fmt: skip
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    describe = git_info("dplit", "configs", "bench")["describe"]
+    assert all(row["git"] == describe and row["machine"] == MACHINE_LINE for row in rows)
+    assert f"- seeds [0, 1]: {MACHINE_LINE}\n" in (tmp_path / "out" / "table.md").read_text()
