@@ -29,7 +29,15 @@ from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
 from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
 from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, run_stamp, write_json
-from bench.study.resume import add_seed_arguments, earlier_sitting, planned_runs, render, study_settings
+from bench.study.resume import (
+    add_seed_arguments,
+    earlier_sitting,
+    input_fingerprint,
+    planned_runs,
+    render,
+    study_settings,
+    unchanged_inputs,
+)
 from bench.tying.arms import dplit_args
 
 STRATEGY = "--trainer.strategy.init_args."
@@ -84,9 +92,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out / "results.json"
     settings = study_settings(args)
     previous, kept = earlier_sitting(args.out, settings)
+    inputs = input_fingerprint(sst2.input_files(sources))
+    kept = kept if args.dry_run else unchanged_inputs(kept, inputs)
     git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
     fields = {arm: {"max_grad_norm": bound} for arm, (bound, _) in arms.items()}
-    runs = planned_runs(args.seeds, fields, {row["name"] for row in kept}, run_stamp(machine, git))
+    runs = planned_runs(args.seeds, fields, {row["name"] for row in kept}, run_stamp(machine, git, inputs))
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))

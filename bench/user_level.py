@@ -42,7 +42,15 @@ from bench.study.record import (
     run_stamp,
     write_json,
 )
-from bench.study.resume import add_seed_arguments, earlier_sitting, planned_runs, render, study_settings
+from bench.study.resume import (
+    add_seed_arguments,
+    earlier_sitting,
+    input_fingerprint,
+    planned_runs,
+    render,
+    study_settings,
+    unchanged_inputs,
+)
 from bench.tying.arms import dplit_args
 from dplit.data.users import synthetic_users
 
@@ -122,9 +130,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = {"arm": "dp_untied", "seed": run["seed"], "dp_seed": run["seed"], "epsilon": args.epsilon, "rows": None}
         return dplit_args(arm_args, sources, spec, log_dir) + extra
 
+    inputs = input_fingerprint(sst2.input_files(sources))
+    kept = kept if args.dry_run else unchanged_inputs(kept, inputs)
     git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
     fields = {name: {"privacy_unit": name, "batch_size": batch} for name, (batch, _) in arms.items()}
-    runs = planned_runs(args.seeds, fields, {r["name"] for r in kept}, run_stamp(machine, git))
+    runs = planned_runs(args.seeds, fields, {r["name"] for r in kept}, run_stamp(machine, git, inputs))
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))

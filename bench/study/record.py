@@ -32,14 +32,18 @@ def machine_line(results: dict[str, Any]) -> str:
     )
 
 
-def run_stamp(machine: dict[str, Any], git: dict[str, Any]) -> dict[str, Any]:
-    """What a sitting writes into each run's row: its code and its machine, so a resumed study can name both per run.
+def run_stamp(
+    machine: dict[str, Any], git: dict[str, Any], inputs: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """What a sitting writes into each run's row: its code, machine and input files, so a resumed study can tell.
 
     Args:
         machine: the sitting's :func:`machine_info` (kept as :func:`machine_description`, the line tables print).
         git: the sitting's :func:`git_info` (kept as its ``describe``).
+        inputs: the fingerprint of the files the arms read (:func:`bench.study.resume.input_fingerprint`).
     """
-    return {"git": git["describe"], "machine": machine_description(machine)}
+    stamp = {"git": git["describe"], "machine": machine_description(machine)}
+    return stamp if inputs is None else {**stamp, "inputs": inputs}
 
 
 def mean_std(values: list[float | None]) -> dict[str, Any]:
