@@ -27,7 +27,7 @@ from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row, paired_runs, unpaired_note
 from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, run_stamp, write_json
 from bench.study.resume import (
     add_seed_arguments,
@@ -140,9 +140,13 @@ def arm_order(arm: str) -> tuple[int, float]:
 
 
 def table(results: dict[str, Any]) -> str:
-    """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C."""
-    by_arm = accuracies(results["runs"])
-    rows = [r for r in results["runs"] if r.get("status") == "ok"]
+    """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C.
+
+    Every number is taken over the seeds every arm finished (:func:`bench.study.paired.paired_runs`); the table names
+    the finished runs it leaves out.
+    """
+    rows, unpaired = paired_runs(results["runs"])
+    by_arm = accuracies(rows)
     lines = [
         "| arm | seeds | dev acc (mean ± sd) | ε | σ (σ_eff) | final C_t | steps | step time (s) |",
         "|---|---|---|---|---|---|---|---|",
@@ -185,6 +189,7 @@ def table(results: dict[str, Any]) -> str:
             "",
             *pairs,
             "",
+            *unpaired_note(unpaired),
             machine_line(results) + ".",
             "",
         ]

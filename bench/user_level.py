@@ -31,7 +31,7 @@ from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row, paired_runs, unpaired_note
 from bench.study.record import (
     copy_ledger_facts,
     git_info,
@@ -195,12 +195,13 @@ def seeds_by(rows: list[dict[str, Any]], key: str, missing: str) -> dict[str, li
 def table(results: dict[str, Any]) -> str:
     """The study's markdown: one row per arm (mean ± sd over seeds), the paired difference, the commits and machines.
 
-    The footer names every commit and machine of the runs it tabulates (:data:`NOT_RECORDED` for rows recorded before
+    Every number is taken over the seeds both arms finished (:func:`bench.study.paired.paired_runs`); the table names
+    the finished runs it leaves out. The footer names every commit and machine of the runs it tabulates (:data:`NOT_RECORDED` for rows recorded before
     rows named their machine), and the last sitting's.
     """
     results = migrate(results)
-    by_arm = accuracies(results["runs"])
-    ok = [row for row in results["runs"] if row.get("status") == "ok"]
+    ok, unpaired = paired_runs(results["runs"])
+    by_arm = accuracies(ok)
     lines = [
         "| privacy unit | seeds | expected batch | dev acc (mean ± sd) | ε (δ) | σ | steps | step time (s) | "
         "rows per step |",
@@ -221,7 +222,7 @@ def table(results: dict[str, Any]) -> str:
     pairs = ["| paired difference " + PAIRED_COLUMNS, "|---|---|---|---|---|"]
     if {"user", "example"} <= set(by_arm):
         pairs.append(paired_row("user − example", by_arm["user"], by_arm["example"]))
-    failed = [f"{row['name']} ({row.get('message', '')[:120]})" for row in results["runs"] if row not in ok]
+    failed = [f"{row['name']} ({row.get('message', '')[:120]})" for row in results["runs"] if row.get("status") != "ok"]
     commits = "; ".join(f"seeds {seeds} at `{git}`" for git, seeds in seeds_by(ok, "git", "").items())
     machines = [f"- seeds {seeds}: {machine}" for machine, seeds in seeds_by(ok, "machine", NOT_RECORDED).items()]
     s = results["settings"]
@@ -243,6 +244,7 @@ def table(results: dict[str, Any]) -> str:
             "",
             *pairs,
             "",
+            *unpaired_note(unpaired),
             *([f"Failed: {', '.join(failed)}.", ""] if failed else []),
             f"Runs by commit: {commits}.",
             "",

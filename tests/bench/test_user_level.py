@@ -13,6 +13,7 @@ import pytest
 
 from bench import user_level
 from bench.machine import git_info
+from bench.study.paired import paired_runs
 from bench.study.resume import earlier_sitting, planned_runs, study_settings
 from bench.user_level import NOT_RECORDED, main, migrate, parse_args, table, user_batch, write_user_tsv
 from dplit.data.users import synthetic_users
@@ -100,7 +101,9 @@ def test_the_table_pairs_the_arms_by_seed_and_renders_from_results_json(tmp_path
     assert text == table(results)
     assert "| user − example | 3 | +1.0 | [-1.5, +3.5] | 2/0/1, 0.50 |" in text  # t(0.975, 2) · 1 / √3 = 2.48
     assert "| example | 3 | 8 rows | 81.0 ± 1.0% | 8.00 (1.0e-03) | 0.400 | 128 | 5.00 | 8.0 |" in text
-    assert "| user | 4 | 2 users |" in text and "Failed: example_seed3 (timed out)." in text
+    assert "| user | 3 | 2 users | 82.0 ± 1.0% | 8.00 (1.0e-03) | 0.400 | 46 | 5.00 | 8.0 |" in text  # seed 9: no pair
+    assert "Left out (their seed lacks a finished run of another arm): user_seed9." in text
+    assert "Failed: example_seed3 (timed out)." in text
 
 
 def test_the_first_sittings_runs_are_read_as_seed_0() -> None:
@@ -130,3 +133,20 @@ def test_a_sitting_stamps_each_new_row_with_its_commit_and_machine(
     describe = git_info("dplit", "configs", "bench")["describe"]
     assert all(row["git"] == describe and row["machine"] == MACHINE_LINE for row in rows)
     assert f"- seeds [0, 1]: {MACHINE_LINE}\n" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_arms_sharing_no_seed_keep_every_finished_run() -> None:
+    runs = [run("example", 0, 0.8), run("user", 1, 0.9), {**run("user", 2, 0.0), "status": "failed"}]
+    assert paired_runs(runs) == (runs[:2], [])
+    assert paired_runs([*runs, run("example", 1, 0.7)]) == ([runs[1], run("example", 1, 0.7)], ["example_seed0"])
+
+
+def test_the_committed_table_renders_unchanged_but_for_its_footer(tmp_path: Path) -> None:
+    recorded = Path(__file__).parents[2] / "bench" / "results" / "user_level"
+    (tmp_path / "results.json").write_bytes((recorded / "results.json").read_bytes())
+    main(["--render", "--out", str(tmp_path)])
+    rendered = (tmp_path / "table.md").read_text()
+    committed = (recorded / "table.md").read_text()
+    assert rendered.split("\nRuns by commit: ")[0] == committed.split("\nMachine: ")[0]
+    runs = committed.split(". Runs: ")[1]  # the runs' commits, as committed; their machines were not recorded
+    assert f"Runs by commit: {runs}\n" in rendered and f"- seeds [0, 1, 2, 3, 4]: {NOT_RECORDED}\n" in rendered
