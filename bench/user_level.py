@@ -196,8 +196,8 @@ def table(results: dict[str, Any]) -> str:
     """The study's markdown: one row per arm (mean ± sd over seeds), the paired difference, the commits and machines.
 
     Every number is taken over the seeds both arms finished (:func:`bench.study.paired.paired_runs`); the table names
-    the finished runs it leaves out. The footer names every commit and machine of the runs it tabulates (:data:`NOT_RECORDED` for rows recorded before
-    rows named their machine), and the last sitting's.
+    the finished runs it leaves out. The footer names every commit and machine of the runs it tabulates
+    (:data:`NOT_RECORDED` for rows recorded before rows named their machine), and the last sitting's.
     """
     results = migrate(results)
     ok, unpaired = paired_runs(results["runs"])

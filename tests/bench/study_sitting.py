@@ -19,8 +19,8 @@ MACHINE = {"cpu_model": "test cpu", "logical_cpus": 2, "memory_gib": 1.0, "gpu":
 MACHINE_LINE = "test cpu, 2 logical CPUs, 1.0 GiB, no GPU; torch x, transformers x, lightning x, opacus x"
 """``bench.machine.machine_description(MACHINE)``."""
 
-FINISHED = {"status": "ok", "val_acc": 0.8, "epsilon_spent": 8.0, "delta": 1e-3, "noise_multiplier": 0.4,
-            "steps": 10, "step_time_median_s": 1.0, "step_batch_sizes": [8], "clip": {"clip_mode": "fixed"}}  # fmt: skip
+FINISHED = {"status": "ok", "val_acc": 0.8, "epsilon_spent": 8.0, "delta": 1e-3, "noise_multiplier": 0.4, "steps": 10,
+            "step_time_median_s": 1.0, "step_batch_sizes": [8], "clip": {"clip_mode": "fixed"}}  # fmt: skip
 """What a faked arm reports."""
 
 
