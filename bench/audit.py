@@ -13,12 +13,14 @@ claimed ε = 1 and 4 and 5 times at 8, halved noise 5 times at ε = 1 and 4.
 
 Run:  python -m bench.audit            (71 runs, about 45 minutes on 2 free CPU cores)
       python -m bench.audit --smoke    (two tiny runs, seconds: checks the pipeline)
-Writes bench/results/audit/{results.json,table.md}; each run's output goes to bench/out/audit/.
+Writes bench/results/audit/{results.json,table.md}; each run's output goes to bench/out/audit/. ``--resume`` keeps
+results.json's machine and commit and adds its own sitting (commit, date, machine) to its ``sittings``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -29,7 +31,7 @@ from typing import Any
 from bench.audit_grid import MECHANISMS, SETUPS, plan
 from bench.audit_tables import cell, table
 from bench.study.arm import install_stop_handlers, run_process
-from bench.study.record import ROOT, git_info, machine_info, relative, write_json
+from bench.study.record import ROOT, git_info, machine_description, machine_info, relative, write_json
 
 OUTPUT = ROOT / "bench" / "results" / "audit"
 LOGS = ROOT / "bench" / "out" / "audit"
@@ -82,6 +84,24 @@ def execute(run: dict[str, Any], index: int, logs: Path, timeout: float) -> dict
         return {**row, "error": problem or "no audit.json"}
 
 
+def sitting(machine: dict[str, Any], git: dict[str, Any]) -> dict[str, Any]:
+    """One sitting of the grid, as results.json lists it: its commit (:func:`git_info`), date (UTC) and machine."""
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {**git, "date": date, "machine": machine_description(machine)}
+
+
+def sittings(previous: dict[str, Any]) -> list[dict[str, Any]]:
+    """The sittings of an earlier results.json, first to last.
+
+    Before results.json listed them, a resume overwrote its ``git`` with its own and kept the one before as
+    ``resumed_from``: those become the first sittings, their date and machine not recorded.
+    """
+    if "sittings" in previous:
+        return previous["sittings"]
+    older = [previous["resumed_from"]] if "resumed_from" in previous else []
+    return [{**git, "date": None, "machine": None} for git in [*older, previous["git"]]]
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the grid (or ``--smoke``), writing results.json and table.md after every run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,7 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     args.output.mkdir(parents=True, exist_ok=True)
     logs = LOGS if args.output == OUTPUT else args.output / "runs"
     logs.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine_info(), "git": git_info("dplit", "tests/helpers/audit_mechanisms.py"),
+    machine, git = machine_info(), git_info("dplit", "tests/helpers/audit_mechanisms.py")
+    now = sitting(machine, git)
+    results: dict[str, Any] = {"machine": machine, "git": git, "sittings": [now],
                                "profile": "smoke" if args.smoke else "default", "runs": [], "wall_s": 0.0}  # fmt: skip
     runs = plan(args.smoke)
     if args.resume:
@@ -109,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         kept = [row for row in previous["runs"] if "report" in row]
         done = [planned_part(row) for row in kept]
         runs = [run for run in runs if run not in done]
-        results.update(runs=kept, wall_s=previous["wall_s"], resumed_from=previous["git"])
+        results.update(runs=kept, wall_s=previous["wall_s"], machine=previous["machine"], git=previous["git"],
+                       sittings=[*sittings(previous), now])  # fmt: skip
     started = time.monotonic() - results["wall_s"]
     for index, run in enumerate(runs):
         row = execute(run, index, logs, args.timeout)

@@ -107,6 +107,18 @@ def repeat_table(rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
+def sittings_lines(sittings: list[dict[str, Any]]) -> list[str]:
+    """The sittings of a resumed grid, one a line (commit, date, machine); none for a grid run in one sitting."""
+    if len(sittings) < 2:
+        return []
+    lines = [
+        f"- `{s['describe']}`, {s['date'] or 'date not recorded'}, {s['machine'] or 'machine not recorded'}"
+        for s in sittings
+    ]
+    heading = "Sittings, first to last (the machine and commit above are results.json's own, which a resume keeps):"
+    return [heading, "", *lines, ""]
+
+
 def table(results: dict[str, Any]) -> str:
     """The three tables, as Markdown."""
     rows = results["runs"]
@@ -115,6 +127,7 @@ def table(results: dict[str, Any]) -> str:
         "",
         machine_line(results) + f". Wall time: {results['wall_s'] / 60:.1f} min.",
         "",
+        *sittings_lines(results.get("sittings", [])),
     ]
     for setup in SETUPS:
         chosen = [row for row in rows if row["table"] == 1 and row["setup"] == setup]

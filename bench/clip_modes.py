@@ -13,7 +13,8 @@ clipping: ``fixed`` at C in ``--fixed-bounds``, ``quantile`` (γ = 0.5 from C_0 
 ``automatic`` (C = 1, γ_stability at its default). Runs are paired by seed: a seed fixes the initialisation, the data
 order, the Poisson batches and the noise's seed for every arm. The paired statistics compare each adaptive mode with
 each fixed C. With AdamW the update does not scale with the gradient's size, so one learning rate serves every arm.
-Results: ``--out``/results.json and table.md (default bench/results/clip_modes/), naming the machine.
+Results: ``--out``/results.json and table.md (default bench/results/clip_modes/), naming the machine; each run's row
+names the commit and machine it ran on (:func:`bench.study.record.run_stamp`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
-from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, write_json
-from bench.study.resume import add_seed_arguments, earlier_sitting, render, study_settings
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row, paired_runs, unpaired_note
+from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, run_stamp, write_json
+from bench.study.resume import (
+    add_seed_arguments,
+    earlier_sitting,
+    input_fingerprint,
+    planned_runs,
+    render,
+    study_settings,
+    unchanged_inputs,
+)
 from bench.tying.arms import dplit_args
 
 STRATEGY = "--trainer.strategy.init_args."
@@ -83,13 +92,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = args.out / "results.json"
     settings = study_settings(args)
     previous, kept = earlier_sitting(args.out, settings)
-    done = {row["name"] for row in kept}
-    runs = [
-        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "max_grad_norm": arms[arm][0]}
-        for seed in args.seeds
-        for arm in arms
-        if f"{arm}_seed{seed}" not in done
-    ]
+    inputs = input_fingerprint(sst2.input_files(sources))
+    kept = kept if args.dry_run else unchanged_inputs(kept, inputs)
+    git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
+    fields = {arm: {"max_grad_norm": bound} for arm, (bound, _) in arms.items()}
+    runs = planned_runs(args.seeds, fields, {row["name"] for row in kept}, run_stamp(machine, git, inputs))
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))
@@ -97,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": "python -m bench.clip_modes",
         "settings": settings,
-        "machine": machine_info(args.threads),
-        "git": git_info("dplit", "configs", "bench"),
+        "machine": machine,
+        "git": git,
         "model": sst2.model_line(sources),
         "runs": kept,
         "wall_s": previous.get("wall_s", 0.0),
@@ -133,9 +140,13 @@ def arm_order(arm: str) -> tuple[int, float]:
 
 
 def table(results: dict[str, Any]) -> str:
-    """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C."""
-    by_arm = accuracies(results["runs"])
-    rows = [r for r in results["runs"] if r.get("status") == "ok"]
+    """The study's markdown: one row per arm, then each adaptive mode paired against each fixed C.
+
+    Every number is taken over the seeds every arm finished (:func:`bench.study.paired.paired_runs`); the table names
+    the finished runs it leaves out.
+    """
+    rows, unpaired = paired_runs(results["runs"])
+    by_arm = accuracies(rows)
     lines = [
         "| arm | seeds | dev acc (mean ± sd) | ε | σ (σ_eff) | final C_t | steps | step time (s) |",
         "|---|---|---|---|---|---|---|---|",
@@ -178,6 +189,7 @@ def table(results: dict[str, Any]) -> str:
             "",
             *pairs,
             "",
+            *unpaired_note(unpaired),
             machine_line(results) + ".",
             "",
         ]

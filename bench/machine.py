@@ -117,6 +117,21 @@ def machine_info(threads: int | None = None, device: str = "cpu") -> dict[str, A
     return info
 
 
+def machine_description(info: dict[str, Any]) -> str:
+    """:func:`machine_info`'s record in one line: CPU, logical CPUs, memory, GPU and the main package versions.
+
+    Args:
+        info: a :func:`machine_info` record (``cpu_model``, ``logical_cpus``, ``memory_gib``, ``gpu`` and the versions
+            of torch, transformers, lightning and opacus).
+    """
+    return (
+        f"{info['cpu_model']}, {info['logical_cpus']} logical CPUs, {info['memory_gib']} GiB"
+        + (f", GPU {info['gpu']}" if info.get("gpu") else ", no GPU")
+        + f"; torch {info['torch']}, transformers {info['transformers']}, lightning {info['lightning']}, "
+        f"opacus {info['opacus']}"
+    )
+
+
 def git_info(*paths: str) -> dict[str, Any]:
     """The commit, and the uncommitted changes under ``paths`` (what the numbers depend on; default: everything).
 

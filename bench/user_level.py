@@ -17,7 +17,8 @@ synthetic users are the same for every seed). The table gives each arm's mean ±
 difference user − example (mean, paired-t 95% interval, sign test: :mod:`bench.study.paired`). A rerun with the same
 settings keeps the finished runs in results.json (:mod:`bench.study.resume`); the first sitting's two runs (seed 0,
 named ``example``/``user``) are read as ``example_seed0``/``user_seed0``.
-Results: ``--out``/results.json and table.md (default bench/results/user_level/), naming the machine.
+Results: ``--out``/results.json and table.md (default bench/results/user_level/); each run's row names its commit
+and machine (:func:`bench.study.record.run_stamp`), and the table lists every commit and machine of its runs.
 """
 
 from __future__ import annotations
@@ -30,9 +31,26 @@ from typing import Any
 
 from bench.study import sst2
 from bench.study.arm import install_stop_handlers, run_all
-from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row
-from bench.study.record import copy_ledger_facts, git_info, machine_info, machine_line, mean_std, plus_minus, write_json
-from bench.study.resume import add_seed_arguments, earlier_sitting, render, study_settings
+from bench.study.paired import PAIRED_COLUMNS, accuracies, paired_row, paired_runs, unpaired_note
+from bench.study.record import (
+    copy_ledger_facts,
+    git_info,
+    machine_info,
+    machine_line,
+    mean_std,
+    plus_minus,
+    run_stamp,
+    write_json,
+)
+from bench.study.resume import (
+    add_seed_arguments,
+    earlier_sitting,
+    input_fingerprint,
+    planned_runs,
+    render,
+    study_settings,
+    unchanged_inputs,
+)
 from bench.tying.arms import dplit_args
 from dplit.data.users import synthetic_users
 
@@ -84,16 +102,6 @@ def migrate(results: dict[str, Any]) -> dict[str, Any]:
     return {**results, "runs": runs}
 
 
-def planned_runs(seeds: list[int], batches: dict[str, int], done: set[str], git: str = "") -> list[dict[str, Any]]:
-    """The runs of ``seeds`` not in ``done``, seed by seed (both arms of a seed together): arm, batch, code (``git``)."""
-    return [
-        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, "privacy_unit": arm, "batch_size": batch, "git": git}
-        for seed in seeds
-        for arm, batch in batches.items()
-        if f"{arm}_seed{seed}" not in done
-    ]
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Prepare the model and the user-column copy of SST-2, run every (seed, arm) not yet recorded, write the results."""
     args = parse_args(argv)
@@ -122,9 +130,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         spec = {"arm": "dp_untied", "seed": run["seed"], "dp_seed": run["seed"], "epsilon": args.epsilon, "rows": None}
         return dplit_args(arm_args, sources, spec, log_dir) + extra
 
-    git = git_info("dplit", "configs", "bench")
-    batches = {name: batch for name, (batch, _) in arms.items()}
-    runs = planned_runs(args.seeds, batches, {r["name"] for r in kept}, git["describe"])
+    inputs = input_fingerprint(sst2.input_files(sources))
+    kept = kept if args.dry_run else unchanged_inputs(kept, inputs)
+    git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
+    fields = {name: {"privacy_unit": name, "batch_size": batch} for name, (batch, _) in arms.items()}
+    runs = planned_runs(args.seeds, fields, {r["name"] for r in kept}, run_stamp(machine, git, inputs))
     if args.dry_run:
         for run in runs:
             print(" ".join(["dplit", *command(run, args.logs / run["name"])]))
@@ -132,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {
         "command": "python -m bench.user_level",
         "settings": settings,
-        "machine": machine_info(args.threads),
+        "machine": machine,
         "git": git,
         "model": sst2.model_line(sources),
         "train_rows": len(users),
@@ -170,11 +180,28 @@ def add_ledger_facts(results: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+NOT_RECORDED = "machine not recorded"
+"""What the table says for the machine of a run recorded before rows named their machine."""
+
+
+def seeds_by(rows: list[dict[str, Any]], key: str, missing: str) -> dict[str, list[int]]:
+    """The seeds of ``rows`` by their value of ``key`` (``missing`` where a row has none), in the rows' order."""
+    groups: dict[str, set[int]] = {}
+    for row in rows:
+        groups.setdefault(row.get(key) or missing, set()).add(row["seed"])
+    return {value: sorted(seeds) for value, seeds in groups.items()}
+
+
 def table(results: dict[str, Any]) -> str:
-    """The study's markdown: one row per arm (mean ± sd over seeds), the paired user − example difference, the machine."""
+    """The study's markdown: one row per arm (mean ± sd over seeds), the paired difference, the commits and machines.
+
+    Every number is taken over the seeds both arms finished (:func:`bench.study.paired.paired_runs`); the table names
+    the finished runs it leaves out. The footer names every commit and machine of the runs it tabulates
+    (:data:`NOT_RECORDED` for rows recorded before rows named their machine), and the last sitting's.
+    """
     results = migrate(results)
-    by_arm = accuracies(results["runs"])
-    ok = [row for row in results["runs"] if row.get("status") == "ok"]
+    ok, unpaired = paired_runs(results["runs"])
+    by_arm = accuracies(ok)
     lines = [
         "| privacy unit | seeds | expected batch | dev acc (mean ± sd) | ε (δ) | σ | steps | step time (s) | "
         "rows per step |",
@@ -195,11 +222,9 @@ def table(results: dict[str, Any]) -> str:
     pairs = ["| paired difference " + PAIRED_COLUMNS, "|---|---|---|---|---|"]
     if {"user", "example"} <= set(by_arm):
         pairs.append(paired_row("user − example", by_arm["user"], by_arm["example"]))
-    failed = [f"{row['name']} ({row.get('message', '')[:120]})" for row in results["runs"] if row not in ok]
-    code: dict[str, list[int]] = {}
-    for row in ok:
-        code.setdefault(row["git"], []).append(row["seed"])
-    commits = "; ".join(f"seeds {sorted(set(seeds))} at `{git}`" for git, seeds in code.items())
+    failed = [f"{row['name']} ({row.get('message', '')[:120]})" for row in results["runs"] if row.get("status") != "ok"]
+    commits = "; ".join(f"seeds {seeds} at `{git}`" for git, seeds in seeds_by(ok, "git", "").items())
+    machines = [f"- seeds {seeds}: {machine}" for machine, seeds in seeds_by(ok, "machine", NOT_RECORDED).items()]
     s = results["settings"]
     return "\n".join(
         [
@@ -219,8 +244,15 @@ def table(results: dict[str, Any]) -> str:
             "",
             *pairs,
             "",
+            *unpaired_note(unpaired),
             *([f"Failed: {', '.join(failed)}.", ""] if failed else []),
-            f"{machine_line(results)}. Runs: {commits}.",
+            f"Runs by commit: {commits}.",
+            "",
+            "Runs by machine (step times compare only within one):",
+            "",
+            *machines,
+            "",
+            f"Last sitting. {machine_line(results)}.",
             "",
         ]
     )

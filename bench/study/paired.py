@@ -82,6 +82,26 @@ def accuracies(runs: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
     return by_arm
 
 
+def paired_runs(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The finished runs of the seeds every arm finished, and the names of the other finished runs.
+
+    A table of arms paired by seed takes its arm means over these seeds only, so that they and the paired differences
+    describe the same runs. When fewer than two arms finished, or they share no seed, nothing is paired and every
+    finished run is kept.
+    """
+    ok = [row for row in runs if row.get("status") == "ok"]
+    by_arm = accuracies(ok)
+    seeds = set.intersection(*(set(values) for values in by_arm.values())) if len(by_arm) > 1 else set()
+    if not seeds:
+        return ok, []
+    return [row for row in ok if row["seed"] in seeds], [row["name"] for row in ok if row["seed"] not in seeds]
+
+
+def unpaired_note(names: list[str]) -> list[str]:
+    """The table lines naming the finished runs :func:`paired_runs` left out (none when it left none out)."""
+    return [f"Left out (their seed lacks a finished run of another arm): {', '.join(names)}.", ""] if names else []
+
+
 def paired_row(label: str, first: dict[int, float], second: dict[int, float]) -> str:
     """A table row of :data:`PAIRED_COLUMNS`: ``first`` − ``second`` over the seeds both have (values by seed).
 

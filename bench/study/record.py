@@ -12,10 +12,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.machine import ROOT, git_info, machine_info, version
+from bench.machine import ROOT, git_info, machine_description, machine_info, version
 
-__all__ = ["ROOT", "copy_ledger_facts", "git_info", "machine_info", "machine_line", "mean_std", "plus_minus",
-           "relative", "version", "write_json"]
+__all__ = ["ROOT", "copy_ledger_facts", "git_info", "machine_description", "machine_info", "machine_line", "mean_std",
+           "plus_minus", "relative", "run_stamp", "version", "write_json"]
 
 
 def relative(path: Path) -> str:
@@ -26,14 +26,24 @@ def relative(path: Path) -> str:
 
 def machine_line(results: dict[str, Any]) -> str:
     """The machine, package versions and dplit commit of a study's ``results``, as a sentence for its table."""
-    m = results["machine"]
     return (
-        f"Machine: {m['cpu_model']}, {m['logical_cpus']} logical CPUs, {m['memory_gib']} GiB"
-        + (f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU")
-        + f"; torch {m['torch']}, transformers {m['transformers']}, lightning {m['lightning']}, opacus {m['opacus']}. "
-        f"dplit commit `{results['git']['commit'][:12]}`"
+        f"Machine: {machine_description(results['machine'])}. dplit commit `{results['git']['commit'][:12]}`"
         + (" (+ uncommitted changes)" if results["git"]["uncommitted_changes"] else "")
     )
+
+
+def run_stamp(
+    machine: dict[str, Any], git: dict[str, Any], inputs: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """What a sitting writes into each run's row: its code, machine and input files, so a resumed study can tell.
+
+    Args:
+        machine: the sitting's :func:`machine_info` (kept as :func:`machine_description`, the line tables print).
+        git: the sitting's :func:`git_info` (kept as its ``describe``).
+        inputs: the fingerprint of the files the arms read (:func:`bench.study.resume.input_fingerprint`).
+    """
+    stamp = {"git": git["describe"], "machine": machine_description(machine)}
+    return stamp if inputs is None else {**stamp, "inputs": inputs}
 
 
 def mean_std(values: list[float | None]) -> dict[str, Any]:

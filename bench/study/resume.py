@@ -4,11 +4,16 @@ A study (:mod:`bench.clip_modes`, :mod:`bench.user_level`) records its settings 
 runs: :data:`SITTING`) and each run by name (its arm and seed) in ``--out``/results.json. A rerun with the same
 settings keeps the runs that finished and runs only the planned ones not among them; a rerun with other settings is
 refused. The folders (:data:`PLACES`) say where, not what: a study moved to another checkout resumes.
+
+Each row also records the files its arm read (:func:`input_fingerprint`: SST-2's TSVs and the GGUF checkpoint, by
+size and the digest of their ends), and a rerun runs again every recorded run whose files have changed since
+(:func:`unchanged_inputs`). Rows recorded before this was recorded are kept: not recorded is not changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +24,9 @@ SITTING = ("seeds", "jobs", "timeout", "dry_run", "render")
 
 PLACES = ("out", "logs")
 """Arguments naming folders: recorded, but a study whose folders moved is the same study."""
+
+ENDS = 2**20
+"""Bytes read from each end of an input file for its fingerprint (the whole file when it is at most twice this)."""
 
 
 def add_seed_arguments(parser: argparse.ArgumentParser, seeds: tuple[int, ...] = (0, 1, 2, 3, 4)) -> None:
@@ -44,6 +52,25 @@ def same_settings(recorded: dict[str, str], settings: dict[str, str]) -> bool:
     return {k: v for k, v in recorded.items() if k not in ignored} == {
         k: v for k, v in settings.items() if k not in ignored
     }
+
+
+def planned_runs(
+    seeds: list[int], arms: dict[str, dict[str, Any]], done: set[str], stamp: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    """The runs of ``seeds`` not in ``done``, seed by seed (every arm of a seed together), named ``{arm}_seed{seed}``.
+
+    Args:
+        seeds: the pairing seeds of this sitting.
+        arms: each arm's own fields, by arm name.
+        done: the names of the runs already recorded.
+        stamp: what this sitting writes into each row (:func:`bench.study.record.run_stamp`).
+    """
+    return [
+        {"name": f"{arm}_seed{seed}", "arm": arm, "seed": seed, **fields, **(stamp or {})}
+        for seed in seeds
+        for arm, fields in arms.items()
+        if f"{arm}_seed{seed}" not in done
+    ]
 
 
 def earlier_sitting(
@@ -75,3 +102,33 @@ def render(out: Path, table: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
     (out / "table.md").write_text(text)
     print(text)
     return results
+
+
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """A cheap fingerprint of a file's content: its size and a SHA-256 of its first and last :data:`ENDS` bytes.
+
+    By content, not modification time: the studies rewrite their data copies (the same bytes) at every sitting.
+    """
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        digest.update(file.read(ENDS))
+        file.seek(max(ENDS, size - ENDS))
+        digest.update(file.read())
+    return {"size": size, "sha256_ends": digest.hexdigest()[:16]}
+
+
+def input_fingerprint(files: dict[str, Path]) -> dict[str, dict[str, Any]]:
+    """:func:`file_fingerprint` of each of an arm's input ``files`` that exists, by role (a name without its path)."""
+    return {role: file_fingerprint(path) for role, path in sorted(files.items()) if path.is_file()}
+
+
+def unchanged_inputs(rows: list[dict[str, Any]], inputs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The recorded ``rows`` whose input files are ``inputs`` now; the others are to be run again.
+
+    A row without ``inputs`` was recorded before they were fingerprinted: it is kept (not recorded, not changed).
+    """
+    changed = [row["name"] for row in rows if row.get("inputs", inputs) != inputs]
+    if changed:
+        print(f"input files changed since {len(changed)} recorded runs ({', '.join(changed)}): running them again")
+    return [row for row in rows if row["name"] not in changed]

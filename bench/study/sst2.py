@@ -324,6 +324,19 @@ def subset_description(args: argparse.Namespace, sources: dict[str, Any], rows: 
     return info
 
 
+def input_files(sources: dict[str, Any]) -> dict[str, Path]:
+    """The local files an arm reads, by role: SST-2's train.tsv and dev.tsv as the arm sees them, and the GGUF file.
+
+    The GGUF is the one a dequantised copy was made from, else the one the arms load; hub sources name no file.
+    """
+    files = {name: Path(sources["data_dir"]) / name for name in ("train.tsv", "dev.tsv")} if sources["data_dir"] else {}
+    if sources.get("gguf_source"):
+        files["gguf"] = Path(sources["gguf_source"])
+    elif sources.get("gguf_file"):
+        files["gguf"] = Path(sources["pretrained"]) / sources["gguf_file"]
+    return files
+
+
 def model_line(sources: dict[str, Any]) -> str:
     """The checkpoint every arm trained, in a sentence for a table."""
     if sources.get("gguf_source"):

@@ -6,10 +6,16 @@ bench/results/clip_modes/.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
+from bench import clip_modes
 from bench.clip_modes import STRATEGY, arm_flags, parse_args, table
+from bench.machine import git_info
 from dplit.privacy.settings import DPSGDSettings
+from tests.bench.study_sitting import MACHINE_LINE, data_root, sitting, study_argv
 
 
 def test_every_arm_is_a_valid_dpstrategy_setting_at_its_own_bound() -> None:
@@ -42,10 +48,27 @@ def test_the_table_pairs_each_adaptive_mode_with_each_fixed_bound_by_seed() -> N
                "git": {"commit": "abc", "uncommitted_changes": False}}  # fmt: skip
     text = table(results)
     assert "| quantile − fixed_C0.1 | 3 | +2.0 | [+2.0, +2.0] | 3/0/0, 0.25 |" in text
-    assert "| quantile | 4 |" in text and "0.05–0.05" in text and "0.400 (0.450)" in text
+    assert "| quantile | 3 | 83.0 ± 1.0% |" in text and "0.05–0.05" in text and "0.400 (0.450)" in text
+    assert "| fixed_C0.1 | 3 | 81.0 ± 1.0% |" in text  # arm means over the paired seeds: they differ by the +2.0
+    assert "Left out (their seed lacks a finished run of another arm): quantile_seed9." in text
 
 
 @pytest.mark.parametrize("bad", [["--seeds"], ["--fixed-bounds", "x"]])
 def test_bad_arguments_are_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(bad)
+
+
+def test_each_new_row_records_the_commit_and_machine_it_ran_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planned = sitting(clip_modes, monkeypatch, study_argv(tmp_path, data_root(tmp_path), "--seeds", "0", "--jobs", "1"))
+    assert [run["name"] for run in planned] == [f"{arm}_seed0" for arm in arm_flags(parse_args([]))]
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    describe = git_info("dplit", "configs", "bench")["describe"]
+    assert all(row["git"] == describe and row["machine"] == MACHINE_LINE for row in rows)
+
+
+def test_the_committed_table_renders_byte_for_byte_from_its_results(tmp_path: Path) -> None:
+    recorded = Path(__file__).parents[2] / "bench" / "results" / "clip_modes"
+    (tmp_path / "results.json").write_bytes((recorded / "results.json").read_bytes())
+    clip_modes.main(["--render", "--out", str(tmp_path)])
+    assert (tmp_path / "table.md").read_text() == (recorded / "table.md").read_text()

@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.study.resume import earlier_sitting, study_settings
-from bench.user_level import main, migrate, parse_args, planned_runs, table, user_batch, write_user_tsv
+from bench import user_level
+from bench.machine import git_info
+from bench.study.paired import paired_runs
+from bench.study.resume import earlier_sitting, planned_runs, study_settings
+from bench.user_level import NOT_RECORDED, main, migrate, parse_args, table, user_batch, write_user_tsv
 from dplit.data.users import synthetic_users
+from tests.bench.study_sitting import MACHINE_LINE, data_root, sitting, study_argv
 
 
 def test_write_user_tsv_adds_the_seeded_users(tmp_path: Path) -> None:
@@ -59,15 +63,20 @@ def test_the_recorded_study_resumes_without_rerunning_its_finished_runs() -> Non
     previous, kept = earlier_sitting(recorded, study_settings(args), migrate)
     finished = {(row["arm"], row["seed"]) for row in kept}
     assert {("example", 0), ("user", 0)} <= finished  # the first sitting's runs, named by arm alone, are seed 0
-    planned = planned_runs(args.seeds, {"example": 8, "user": 2}, {row["name"] for row in kept})
+    planned = planned_runs(args.seeds, ARMS, {row["name"] for row in kept})
     assert not {(run["arm"], run["seed"]) for run in planned} & finished
     assert {run["seed"] for run in planned} <= set(args.seeds) == {0, 1, 2, 3, 4}
 
 
+ARMS = {"example": {"privacy_unit": "example", "batch_size": 8}, "user": {"privacy_unit": "user", "batch_size": 2}}
+
+
 def test_planned_runs_pair_both_arms_of_each_seed() -> None:
-    planned = planned_runs([0, 1, 2], {"example": 8, "user": 2}, {"example_seed0", "user_seed0", "user_seed1"})
+    stamp = {"git": "abc", "machine": "test cpu"}
+    planned = planned_runs([0, 1, 2], ARMS, {"example_seed0", "user_seed0", "user_seed1"}, stamp)
     assert [(r["arm"], r["seed"], r["batch_size"]) for r in planned] == [("example", 1, 8), ("example", 2, 8),
                                                                         ("user", 2, 2)]  # fmt: skip
+    assert all(r["git"] == "abc" and r["machine"] == "test cpu" and r["privacy_unit"] == r["arm"] for r in planned)
 
 
 def test_a_study_with_other_settings_is_refused_and_a_moved_one_resumes(tmp_path: Path) -> None:
@@ -92,7 +101,9 @@ def test_the_table_pairs_the_arms_by_seed_and_renders_from_results_json(tmp_path
     assert text == table(results)
     assert "| user − example | 3 | +1.0 | [-1.5, +3.5] | 2/0/1, 0.50 |" in text  # t(0.975, 2) · 1 / √3 = 2.48
     assert "| example | 3 | 8 rows | 81.0 ± 1.0% | 8.00 (1.0e-03) | 0.400 | 128 | 5.00 | 8.0 |" in text
-    assert "| user | 4 | 2 users |" in text and "Failed: example_seed3 (timed out)." in text
+    assert "| user | 3 | 2 users | 82.0 ± 1.0% | 8.00 (1.0e-03) | 0.400 | 46 | 5.00 | 8.0 |" in text  # seed 9: no pair
+    assert "Left out (their seed lacks a finished run of another arm): user_seed9." in text
+    assert "Failed: example_seed3 (timed out)." in text
 
 
 def test_the_first_sittings_runs_are_read_as_seed_0() -> None:
@@ -100,3 +111,42 @@ def test_the_first_sittings_runs_are_read_as_seed_0() -> None:
     results = migrate({**record([]), "seeds": [0], "runs": [old]})
     assert results["runs"] == [{**old, "name": "user_seed0", "arm": "user", "seed": 0, "git": "abc"}]
     assert migrate(results) == results
+
+
+def test_the_footer_names_every_commit_and_machine_of_the_runs_it_tabulates() -> None:
+    runs = [run("example", 0, 0.8, git="old"), run("user", 0, 0.8, git="old")]  # recorded before rows named machines
+    runs += [run(arm, 1, 0.8, git="new", machine="cpu A") for arm in ("example", "user")]
+    runs += [run(arm, 2, 0.8, git="new", machine="cpu B; torch 9") for arm in ("example", "user")]
+    text = table(record(runs))
+    assert "Runs by commit: seeds [0] at `old`; seeds [1, 2] at `new`." in text
+    assert f"- seeds [0]: {NOT_RECORDED}\n- seeds [1]: cpu A\n- seeds [2]: cpu B; torch 9\n" in text
+    assert "Last sitting. Machine: test cpu, 2 logical CPUs, 1.0 GiB, no GPU; torch x" in text
+
+
+def test_a_sitting_stamps_each_new_row_with_its_commit_and_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = study_argv(tmp_path, data_root(tmp_path), "--train-rows", "40", "--seeds", "0", "1")
+    assert [run["name"] for run in sitting(user_level, monkeypatch, argv)] == [
+        "example_seed0", "user_seed0", "example_seed1", "user_seed1"]  # fmt: skip
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    describe = git_info("dplit", "configs", "bench")["describe"]
+    assert all(row["git"] == describe and row["machine"] == MACHINE_LINE for row in rows)
+    assert f"- seeds [0, 1]: {MACHINE_LINE}\n" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_arms_sharing_no_seed_keep_every_finished_run() -> None:
+    runs = [run("example", 0, 0.8), run("user", 1, 0.9), {**run("user", 2, 0.0), "status": "failed"}]
+    assert paired_runs(runs) == (runs[:2], [])
+    assert paired_runs([*runs, run("example", 1, 0.7)]) == ([runs[1], run("example", 1, 0.7)], ["example_seed0"])
+
+
+def test_the_committed_table_renders_unchanged_but_for_its_footer(tmp_path: Path) -> None:
+    recorded = Path(__file__).parents[2] / "bench" / "results" / "user_level"
+    (tmp_path / "results.json").write_bytes((recorded / "results.json").read_bytes())
+    main(["--render", "--out", str(tmp_path)])
+    rendered = (tmp_path / "table.md").read_text()
+    committed = (recorded / "table.md").read_text()
+    assert rendered.split("\nRuns by commit: ")[0] == committed.split("\nMachine: ")[0]
+    runs = committed.split(". Runs: ")[1]  # the runs' commits, as committed; their machines were not recorded
+    assert f"Runs by commit: {runs}\n" in rendered and f"- seeds [0, 1, 2, 3, 4]: {NOT_RECORDED}\n" in rendered
