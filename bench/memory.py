@@ -7,8 +7,8 @@ Llama projection, built from one random Llama (seed 0, ``--size``) saved once wi
 temporary folder (``pretrained=``: the same weights in every arm), on B random sequences of T real tokens:
 
 * ``dp_lora``, ``dp_lora_checkpointed`` (``gradient_checkpointing=True``), ``dp_qlora`` (``quantization``: 4-bit
-  NF4, compute float32 on the CPU, bfloat16 on CUDA), ``dp_qlora_checkpointed``: the shipped ``DPSGD`` (ghost
-  clipping, σ = 1, one micro-batch of B: ``clip``, ``release``), then AdamW on the adapters;
+  NF4 with double quantisation, compute float32 on the CPU, bfloat16 on CUDA), ``dp_qlora_checkpointed``: the
+  shipped ``DPSGD`` (ghost clipping, σ = 1, one micro-batch of B: ``clip``, ``release``), then AdamW on the adapters;
 * ``non_private_lora``, ``..._checkpointed``, ``non_private_qlora``, ``..._checkpointed``: mean-loss backward, AdamW.
 
 On CUDA every forward (DP: the whole clipping pass) runs under bf16 autocast, as Lightning's bf16-mixed. Per arm:
@@ -105,7 +105,7 @@ def save_llama(args: argparse.Namespace, folder: Path) -> None:
 
 
 def build_model(args: argparse.Namespace, arm: str, folder: str, device: Any) -> Any:
-    """The arm's classifier on ``folder``: LoRA, and 4-bit NF4 base and/or checkpointing as the arm's name says."""
+    """The arm's classifier on ``folder``: LoRA, and a 4-bit NF4 base (double quantisation) and/or checkpointing."""
     import torch
     from peft import LoraConfig
 
@@ -115,7 +115,8 @@ def build_model(args: argparse.Namespace, arm: str, folder: str, device: Any) ->
     quantization = None
     if "qlora" in arm:
         compute = "bfloat16" if device.type == "cuda" else "float32"
-        quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": compute}
+        quantization = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": compute,
+                        "bnb_4bit_use_double_quant": True}  # fmt: skip  # QLoRA's and configs/llama8b_sst2_qlora.yaml's
     words = [3, 7] if args.size == "tiny" else LABEL_WORDS["llama"]  # SmolLM2's " terrible", " great"
     torch.manual_seed(1)  # the adapters' initialisation, the same in every arm
     model = CausalLMClassifier(
@@ -241,7 +242,8 @@ def table(results: dict[str, Any]) -> str:
         f"{s['steps']} timed steps after {s['warmup']} warm-up, each arm in a fresh process; checkpointed arms "
         f"recompute {_share_text(s.get('checkpointed_share', 1.0))}; DP: σ = 1, "
         f"C = {s['max_grad_norm']}, ghost clipping, one micro-batch; "
-        f"{'bf16 autocast, 4-bit compute bf16' if s['device'] == 'cuda' else 'float32, 4-bit compute float32'}. "
+        f"{'bf16 autocast, 4-bit compute bf16' if s['device'] == 'cuda' else 'float32, 4-bit compute float32'}"
+        f"{', 4-bit NF4 with double quantisation' if s.get('double_quant') else ''}. "
         f"Peak: {memory}; at rest: after the warm-up steps; step = peak − at rest (the step's working memory).", "",
         *([noisy + s["note"], ""] if noisy or s["note"] else []),
         "| arm | status | step s (median) | CPU s / step | others | peak MiB | at rest MiB | step MiB | "
@@ -262,7 +264,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "python -m bench.memory " + shlex.join(argv if argv is not None else sys.argv[1:]),
         "machine": machine_info(threads=args.threads, device=args.device), "git": git_info("dplit", "bench"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "arms": {},
+        "settings": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "double_quant": True},
+        "arms": {},
     }  # fmt: skip
     context = process_context(args.device, PRELOAD)
     with tempfile.TemporaryDirectory() as folder:
