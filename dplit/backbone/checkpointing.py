@@ -40,7 +40,12 @@ def enable_activation_checkpointing(model: PreTrainedModel, *, share: float = 1.
         )
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    recomputed = math.ceil(share * len(blocks) - 1e-9)  # 2/3 of 30 blocks: 20, not 21 from rounding
+    if not blocks:
+        raise ValueError(
+            f"model.gradient_checkpointing=true: {type(model).__name__} has no transformer block transformers can "
+            "recompute; set it to false"
+        )
+    recomputed = max(1, math.ceil(share * len(blocks) - 1e-9))  # 0.65 of 30 blocks: 20 (no rounding up to 21)
     for block in blocks[recomputed:]:
         block.gradient_checkpointing = False
     return recomputed

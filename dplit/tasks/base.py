@@ -135,6 +135,7 @@ class CausalLMModule(LightningModule, ABC):
             self.hparams.peft = peft
             self._hparams_initial = copy.deepcopy(self.hparams)  # what loggers get, copied as Lightning copies it
         check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule)
+        require_finite_number(checkpointed_share, name="model.checkpointed_share", above=0, maximum=1)
         self._freeze = list(freeze or [])
         self.privacy_history = PrivacyHistory(inherited_segments(pretrained))
         self._step_hooks: list[Any] = []

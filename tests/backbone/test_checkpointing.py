@@ -86,6 +86,8 @@ def test_a_share_of_the_blocks_recomputed_is_exact(family: str, policy: str) -> 
         ({"gradient_checkpointing": True, "checkpointed_share": 0.0}, r"model.checkpointed_share=0.0: must be"),
         ({"gradient_checkpointing": True, "checkpointed_share": 1.5}, r"model.checkpointed_share=1.5: must be"),
         ({"checkpointed_share": 0.5}, r"model.checkpointed_share=0.5 needs model.gradient_checkpointing=true"),
+        ({"checkpointed_share": True}, r"model.checkpointed_share=True: must be a finite number in \(0, 1\]"),
+        ({"checkpointed_share": 0.0}, r"model.checkpointed_share=0.0: must be a finite number in \(0, 1\]"),
     ],
 )
 def test_a_share_out_of_range_or_without_checkpointing_is_refused_in_one_line(

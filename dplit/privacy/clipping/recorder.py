@@ -34,7 +34,7 @@ FINGERPRINT_SAMPLES = 256
 
 @dataclass(frozen=True, eq=False)
 class Fingerprint:
-    """What a replayed input must match: the first input's shape, dtype and a sample of its values (float64)."""
+    """What a replayed input must match: the first input's shape, dtype, sampled values, sum and norm (float64)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -42,10 +42,17 @@ class Fingerprint:
 
     @classmethod
     def of(cls, activation: Tensor) -> Fingerprint:
-        """The fingerprint of ``activation`` (a copy of at most :data:`FINGERPRINT_SAMPLES` values, not a view)."""
-        flat = activation.detach().reshape(-1)  # a view of a contiguous input
+        """The fingerprint of ``activation`` (a copy, not a view).
+
+        At most :data:`FINGERPRINT_SAMPLES` evenly spaced values, then the whole input's sum (NaN left out: a
+        padding row may hold it) and Euclidean norm, each over √n (on the scale of one value).
+        """
+        flat = activation.detach().reshape(-1)  # [n]: a view of a contiguous input (a copy of any other)
         step = max(1, flat.numel() // FINGERPRINT_SAMPLES)
-        sample = flat[::step][:FINGERPRINT_SAMPLES].to(torch.float64).clone()  # cloned: holds no input alive
+        values = flat if flat.is_floating_point() else flat.double()
+        root = max(1.0, flat.numel()) ** 0.5
+        whole = torch.stack([values.nansum(), torch.linalg.vector_norm(values)]).double() / root  # [2], no sync
+        sample = torch.cat([flat[::step][:FINGERPRINT_SAMPLES].double(), whole])  # a new tensor: holds no input
         return cls(tuple(activation.shape), activation.dtype, sample)
 
     def matches(self, other: Fingerprint) -> bool:
@@ -65,7 +72,7 @@ def all_match(pairs: list[tuple[Fingerprint, Fingerprint]]) -> bool:
                           for a, _ in pairs])  # fmt: skip
     counts = torch.tensor([a.sample.numel() for a, _ in pairs], device=first.device)
     slack = REPLAY_TOLERANCE * (second.abs() + scales.repeat_interleave(counts))  # rtol·|b| + atol of its pair
-    close = (first - second).abs() <= slack
+    close = (first == second) | ((first - second).abs() <= slack)  # equal infinities too (inf − inf is NaN)
     both_nan = first.isnan() & second.isnan()
     return bool((close | both_nan).all())
 

@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dplit.privacy.clipping.ghost import GhostEngine
-from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall
+from dplit.privacy.clipping.recorder import CallRecorder, Fingerprint, ModuleCall
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.families import VOCAB, tiny_task
 from tests.helpers.oracles import assert_close, padded_batch, run
@@ -104,13 +104,33 @@ def test_a_small_checkpointed_stack_is_exact(repeat: bool) -> None:
     [
         (partial(Stack, drift=True), "the input recomputed by activation checkpointing differs"),
         (partial(Stack, replay=False), "whose forward was not replayed in the backward pass"),
+        (partial(Stack, drift=True, repeat=True), "the input recomputed by activation checkpointing differs"),
     ],
-    ids=["replay-differs", "never-replayed"],
+    ids=["replay-differs", "never-replayed", "layer-run-twice-replay-differs"],
 )
 def test_a_replay_that_cannot_be_paired_is_refused_in_one_line(stack: partial[Stack], message: str) -> None:
-    """Never a gradient paired with another input, nor a gradient without its input: one line naming the setting."""
+    """Never a gradient paired with another input, nor a gradient without its input: one line naming the setting.
+
+    Refused before any clipped sum reaches a gradient (a module run once is checked after the backward pass; one
+    run twice is matched, or refused, during it).
+    """
     model = stack()
     engine = GhostEngine(model, max_grad_norm=CLIP)
     with pytest.raises(ValueError, match=message) as refused:
         engine.accumulate(model.per_example_loss, batch())
     assert "\n" not in str(refused.value) and "gradient_checkpointing=false" in str(refused.value)
+    assert all(param.grad is None for param in model.parameters())
+
+
+def test_equal_infinities_and_nans_match_and_a_sampled_or_summed_difference_does_not() -> None:
+    """A replay reproducing inf or NaN is the same input; one value changed anywhere moves the sum (or a sample)."""
+    first = torch.randn(2, 7, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    first[1, 2, 3] = float("nan")  # a padding row's NaN: left out of the sum
+    assert Fingerprint.of(first).matches(Fingerprint.of(first.clone()))
+    for place in [(0, 0, 0), (1, 6, 299)]:  # one sampled place, one between the samples
+        changed = first.clone()
+        changed[place] += 1.0
+        assert not Fingerprint.of(first).matches(Fingerprint.of(changed))
+    infinite = first.clone()
+    infinite[0, 0, 0] = float("inf")
+    assert Fingerprint.of(infinite).matches(Fingerprint.of(infinite.clone()))
