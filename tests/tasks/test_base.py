@@ -14,8 +14,8 @@ from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 
 SHARED = {
     "pretrained", "gguf_file", "config", "embeddings", "vocab_size", "max_length", "dropout", "peft",
-    "train_embeddings", "freeze", "attn_implementation", "quantization", "gradient_checkpointing", "lr",
-    "weight_decay", "betas", "warmup_steps", "lr_schedule",
+    "train_embeddings", "freeze", "attn_implementation", "quantization", "gradient_checkpointing",
+    "checkpointed_share", "lr", "weight_decay", "betas", "warmup_steps", "lr_schedule",
 }  # fmt: skip
 OWN = {
     CausalLMClassifier: {"head", "label_word_ids", "num_classes", "task"},
