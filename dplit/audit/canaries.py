@@ -37,8 +37,11 @@ def white_box_step_score(observed: Tensor, *, noise_multiplier: float, sample_ra
     if noise_multiplier <= 0:
         return observed
     shift = (2 * observed - 1) / (2 * noise_multiplier**2)  # [m]
-    if sample_rate >= 1:
-        return shift
+    return shift if sample_rate >= 1 else _sampled_log_ratio(shift, sample_rate)
+
+
+def _sampled_log_ratio(shift: Tensor, sample_rate: float) -> Tensor:
+    """log(1 − q + q·exp(shift)): a step's log-likelihood ratio when the canary is in the batch with probability q."""
     return torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))
 
 
@@ -72,8 +75,7 @@ def noiseless_scores(readings: Tensor, *, sample_rate: float) -> Tensor:
     scale = (1.4826 * (rest - level).abs().median(dim=0).values).clamp(min=NOISELESS_SCALE_FLOOR)  # [m]
     rise = readings - level  # [T, m]
     shift = (2 * rise - 1) / (2 * scale**2)  # [T, m]: as white_box_step_score's, at the coordinate's own spread
-    ratios = torch.logaddexp(torch.full_like(shift, math.log1p(-sample_rate)), shift + math.log(sample_rate))  # [T, m]
-    return ratios.sum(dim=0)
+    return _sampled_log_ratio(shift, sample_rate).sum(dim=0)  # [T, m] -> [m]
 
 
 class GradientCanaries:

@@ -50,7 +50,7 @@ from dplit.privacy.clipping.parameter_norms import (
     parameter_squared_norm,
     stacked_squared_norms,
 )
-from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall
+from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall, checkpointable
 from dplit.privacy.clipping.units import Units, grouped_use, unit_sums, units_of, without_units
 
 LAYER_ADVICE = (
@@ -74,6 +74,10 @@ class Coverage:
         modules: covered modules owning at least one trainable parameter, by ``id``, with name and rule.
         structure: what this coverage was computed from (see :func:`trainable_structure`); it holds the
             modules and parameters it names alive, so an equal structure later means the same objects.
+        held: by (module ``id``, attribute), the ``id`` of the trainable parameter held there (see
+            :meth:`parameter_key`).
+        layers: the checkpointable layers (:func:`~dplit.privacy.clipping.recorder.checkpointable`), found once
+            per coverage, not per micro-batch; whether one is checkpointed is read as it runs.
     """
 
     parameters: dict[int, tuple[str, nn.Parameter]]
@@ -81,6 +85,7 @@ class Coverage:
     modules: dict[int, tuple[str, nn.Module, NormRule]]
     structure: tuple[tuple[str, int, str, int], ...] = ()
     held: dict[tuple[int, str], int] = field(default_factory=dict)
+    layers: tuple[nn.Module, ...] = ()
 
     def parameter_key(self, module: nn.Module, attribute: str) -> int | None:
         """The ``id`` of the trainable parameter ``module`` holds as ``attribute`` (``None``: not a trainable one).
@@ -195,7 +200,7 @@ class GhostEngine(ClippingEngine):
                 owning.setdefault(id(param), set()).add(id(module))
         owners = {key: ParameterOwner(parameters[key][0], frozenset(ids)) for key, ids in owning.items()}
         held = {(module_id, attribute): key for _, module_id, attribute, key in structure if key in parameters}
-        return Coverage(parameters, owners, modules, structure, held)
+        return Coverage(parameters, owners, modules, structure, held, checkpointable(self._module))
 
     def _rule_for(self, module_name: str, module: nn.Module, owned: list[tuple[str, str]]) -> NormRule:
         """The rule covering ``owned`` (full name, attribute name) parameters of ``module``, or refuse."""
@@ -371,7 +376,7 @@ class GhostEngine(ClippingEngine):
                 )
                 for handle in handles:
                     hooks.callback(handle.remove)
-            recorder.attach(coverage.modules.values(), self._module)  # first, so the gradient is of the own output
+            recorder.attach(coverage.modules.values(), coverage.layers)  # first, so the gradient is of the own output
             with monitor:
                 losses = loss_fn(batch)
         if monitor.violations:

@@ -113,18 +113,16 @@ class CallRecorder:
         self.calls: list[ModuleCall] = []
         self._on_complete = on_complete
         self._hooks = ExitStack()
-        self._checkpoint_depth = 0
-        self._checkpointing: list[bool] = []
+        self._checkpointing: list[bool] = []  # per checkpointable layer running now: is its forward checkpointed
         self._pending: dict[int, list[ModuleCall]] = {}
         self._unchecked: list[tuple[ModuleCall, Fingerprint]] = []
         self._replaying = False
 
-    def attach(self, modules: Iterable[tuple[str, nn.Module, NormRule]], model: nn.Module) -> None:
-        """Record ``modules`` (name, module, rule) and watch the checkpointed layers of ``model``."""
-        for layer in model.modules():
-            if isinstance(layer, GradientCheckpointingLayer):
-                self._hooks.callback(layer.register_forward_pre_hook(self._enter_layer).remove)
-                self._hooks.callback(layer.register_forward_hook(self._exit_layer, always_call=True).remove)
+    def attach(self, modules: Iterable[tuple[str, nn.Module, NormRule]], layers: Iterable[nn.Module]) -> None:
+        """Record ``modules`` (name, module, rule) and watch the checkpointable ``layers`` (see :func:`checkpointable`)."""
+        for layer in layers:
+            self._hooks.callback(layer.register_forward_pre_hook(self._enter_layer).remove)
+            self._hooks.callback(layer.register_forward_hook(self._exit_layer, always_call=True).remove)
         for name, module, rule in modules:
             hook = partial(self._record, name, rule)
             handle = module.register_forward_hook(hook, with_kwargs=True, prepend=True)  # first: the module's output
@@ -163,11 +161,10 @@ class CallRecorder:
         """Forward pre-hook of a checkpointable layer: note whether its forward is checkpointed this time."""
         checkpointed = bool(layer.gradient_checkpointing and layer.training and torch.is_grad_enabled())
         self._checkpointing.append(checkpointed)
-        self._checkpoint_depth += checkpointed
 
     def _exit_layer(self, layer: nn.Module, *args: Any) -> None:
         """Forward hook of a checkpointable layer."""
-        self._checkpoint_depth -= self._checkpointing.pop()
+        self._checkpointing.pop()
 
     def _record(
         self, name: str, rule: NormRule, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
@@ -178,7 +175,7 @@ class CallRecorder:
             self._take_replayed(module, activation)
             return _graph_start(output) if torch.is_grad_enabled() and isinstance(output, Tensor) else None
         call = ModuleCall(name, module, rule, activation.detach(), torch.is_grad_enabled(), tuple(activation.shape))
-        if self._checkpoint_depth and call.grad_enabled:  # recomputed in the backward pass: do not keep it now
+        if any(self._checkpointing) and call.grad_enabled:  # recomputed in the backward pass: do not keep it now
             call.recomputed, call.fingerprint, call.activation = True, Fingerprint.of(activation), None
             self._pending.setdefault(id(module), []).append(call)
         self.calls.append(call)
@@ -238,3 +235,8 @@ def _replay_differs(call: ModuleCall) -> str:
         f"{call.name!r} ({type(call.module).__name__}): the input recomputed by activation checkpointing differs from "
         "the first forward's, so ghost clipping cannot pair it; set model.gradient_checkpointing=false"
     )
+
+
+def checkpointable(model: nn.Module) -> tuple[nn.Module, ...]:
+    """The layers of ``model`` whose forward transformers can checkpoint (``GradientCheckpointingLayer``)."""
+    return tuple(module for module in model.modules() if isinstance(module, GradientCheckpointingLayer))

@@ -60,7 +60,8 @@ def test_a_checkpointed_layers_calls_keep_no_input_until_replayed_and_complete_o
     model = tiny_task("classifier", "llama", "lora", gradient_checkpointing=True)
     completed: list[ModuleCall] = []
     recorder = CallRecorder(on_complete=completed.append)
-    recorder.attach(GhostEngine(model, max_grad_norm=CLIP).coverage().modules.values(), model)
+    coverage = GhostEngine(model, max_grad_norm=CLIP).coverage()
+    recorder.attach(coverage.modules.values(), coverage.layers)
     with set_checkpoint_early_stop(False):  # as the engine runs it: early stop would skip the blocks' last calls
         losses = model.per_example_loss(padded_batch([5, 9, 2, 7], "right", vocab=VOCAB))
     inside = [call for call in recorder.calls if call.recomputed]
