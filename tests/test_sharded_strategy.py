@@ -1,4 +1,9 @@
-"""ShardedDPStrategy through the real ``dplit``: two gloo processes on FSDP2 train, checkpoint, resume and export."""
+"""ShardedDPStrategy through ``dplit``: two gloo processes on FSDP2 train, checkpoint, resume and export.
+
+Runs of two processes go through the real executable (Lightning launches the second rank by re-running it); runs of
+one process (a resume on one device, an export, the shipped configs' one step) go through the console script's
+function in this process (:func:`run_dplit_in_process`), which skips the ~5 s of imports a fresh process pays.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ import torch
 from dplit.privacy.ledger import LEDGER_FILE, history_steps
 from dplit.release.guarantee import GUARANTEE_FILE
 from tests.helpers.commands import CONFIGS, checkpoint_of, glue_args, is_sharded, lm_args, quickstart_args
-from tests.helpers.executable import run_dplit
+from tests.helpers.executable import run_dplit, run_dplit_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +49,12 @@ def test_a_two_process_sharded_fit_trains_resumes_on_either_world_size_with_its_
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert ledger_steps(run) == 4 and "after 4 DP steps" in resumed.stdout  # the checkpoint's 2 counted once
-    exported = run_dplit("export", "--ckpt_path", str(checkpoint_of(run)), "--output_dir", str(tmp_path / "out"))
+    exported = run_dplit_in_process("export", "--ckpt_path", str(checkpoint_of(run)), "--output_dir", str(tmp_path / "out"))
     assert exported.returncode == 0, exported.stderr[-3000:]
     guarantee = json.loads((tmp_path / "out" / GUARANTEE_FILE).read_text())
     assert guarantee["steps"] == 4, guarantee
     one = [*SHARDED, "--trainer.devices", "1", "--trainer.max_epochs", "2"]
-    alone = run_dplit("fit", *quickstart_args(copy, *one), "--ckpt_path", str(checkpoint_of(copy)))
+    alone = run_dplit_in_process("fit", *quickstart_args(copy, *one), "--ckpt_path", str(checkpoint_of(copy)))
     assert alone.returncode == 0, alone.stderr[-3000:]
     assert ledger_steps(copy) == 4 and "after 4 DP steps" in alone.stdout
 
@@ -88,9 +93,13 @@ def test_with_one_seed_and_no_noise_sharded_and_data_parallel_runs_reach_the_sam
 def test_each_sharded_config_takes_a_step_on_a_tiny_model_of_its_family(
     config: Path, tmp_path: Path, tiny_bpe_dir: Path
 ) -> None:
-    """The config as shipped (8 or 2 GPUs, bf16) brought to 2 CPU processes, float32, a tiny random Llama."""
-    done = run_dplit(
-        "fit", *glue_args(config, tmp_path, tiny_bpe_dir), "--trainer.devices", "2",
+    """The config as shipped (8 or 2 GPUs, bf16) brought to one CPU process, float32, a tiny random Llama.
+
+    One process still wraps every block in its own FSDP2 unit and steps on ``DTensor`` shards (of one rank); two
+    ranks are the quickstart runs' above.
+    """
+    done = run_dplit_in_process(
+        "fit", *glue_args(config, tmp_path, tiny_bpe_dir), "--trainer.devices", "1",
         "--trainer.strategy.init_args.process_group_backend", "gloo",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
