@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from dplit.privacy import gradient_buffer
 from dplit.privacy.gradient_buffer import GradientBuffer
 
 
@@ -60,6 +61,22 @@ def test_noise_has_the_asked_std_and_spares_the_extra_slots() -> None:
     assert buffer.flat[:-1].std().item() == pytest.approx(0.3, rel=0.02)
     buffer.publish(3.0)
     assert params[1].grad.std().item() == pytest.approx(0.1, rel=0.02)
+
+
+def test_noise_drawn_chunk_by_chunk_reaches_every_entry_once_with_fresh_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 7 across parameters of 6 and 30 entries: each entry noised, no chunk's draw reused for the next."""
+    monkeypatch.setattr(gradient_buffer, "NOISE_CHUNK", 7)
+    params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(30))]
+    buffer = GradientBuffer(params, extra=1)
+    buffer.attach()
+    buffer.add_noise(1.0, torch.Generator().manual_seed(0))
+    noise = buffer.gradients
+    assert bool((noise != 0).all()) and buffer.extra.item() == 0.0
+    assert noise.unique().numel() == noise.numel()  # 36 independent draws: no repeated scratch
+    again = GradientBuffer(params, extra=1)
+    again.attach()
+    again.add_noise(1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(again.gradients, noise)  # one stream, in order: a seeded run stays reproducible
 
 
 def test_float64_parameters_keep_a_float64_buffer() -> None:

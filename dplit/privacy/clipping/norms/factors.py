@@ -173,6 +173,8 @@ def weighted_sum(use: GradientUse, weights: Tensor) -> Tensor:
     """Σ_i w_i G_i in the parameter's shape ([r, c] for a factored use), without building any per-example gradient."""
     if isinstance(use, ExampleGradient):
         return torch.einsum("b,b...->...", weights, use.values)  # [B], [B, *shape] -> shape
+    if isinstance(use.left, DenseFactor) and isinstance(use.right, DenseFactor):
+        return torch.mm(*_weighted_dense_operands(use.left, use.right, weights))  # [r, c]: no zero-filled total first
     total = weights.new_zeros(use.left.width, use.right.width)  # [r, c]
     return add_weighted_sum_(total, use, weights)
 
@@ -193,16 +195,21 @@ def add_weighted_sum_(out: Tensor, use: GradientUse, weights: Tensor) -> Tensor:
     target = out.view(left.width, right.width)  # [r, c]
     scale = weights[:, None, None]
     if isinstance(left, DenseFactor) and isinstance(right, DenseFactor):
-        if left.width <= right.width:
-            target.addmm_((left.values * scale).flatten(0, 1).T, right.values.flatten(0, 1))  # [r, BT] x [BT, c]
-        else:
-            target.addmm_(left.values.flatten(0, 1).T, (right.values * scale).flatten(0, 1))
+        target.addmm_(*_weighted_dense_operands(left, right, weights))
     elif isinstance(left, IndexFactor):  # rows x_{i,t} of the weighted right factor
         rows = _as_dense(right, weights.dtype) * scale  # [B, T, c]
         target.index_add_(0, left.indices.reshape(-1), rows.reshape(-1, right.width))
     else:  # columns x_{i,t} of the weighted left factor
         target.T.index_add_(0, right.indices.reshape(-1), (left.values * scale).reshape(-1, left.width))
     return out
+
+
+def _weighted_dense_operands(left: DenseFactor, right: DenseFactor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """The two matrices whose product is Σ_i w_i L_iᵀ R_i: [r, BT] and [BT, c], the narrower factor weighted."""
+    scale = weights[:, None, None]
+    if left.width <= right.width:
+        return (left.values * scale).flatten(0, 1).T, right.values.flatten(0, 1)  # [r, BT], [BT, c]
+    return left.values.flatten(0, 1).T, (right.values * scale).flatten(0, 1)
 
 
 def batch_size(use: GradientUse) -> int:
