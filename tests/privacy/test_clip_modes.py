@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,11 @@ from dplit.privacy.clip_bound import QuantileClipBound
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.history import PrivacyHistory
-from dplit.privacy.ledger import LEDGER_FILE, history_steps
 from dplit.privacy.settings import DPSGDSettings
 from dplit.release.export import export_checkpoint
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import gradient_norms, per_example_gradients
 from tests.helpers.commands import checkpoint_of, quickstart_args, steps
-from tests.helpers.executable import run_dplit
 from tests.helpers.oracles import assert_close, padded_batch, run
 from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB, PadCollate, RandomTokens
 
@@ -184,18 +181,6 @@ def test_a_run_logs_its_bound_and_its_card_states_the_mode(mode: str, tmp_path: 
     expected = "privately tracks the 0.5-quantile of the norms" if mode == "quantile" else "automatic clipping"
     assert expected in card and f"| clipping bound | {mode} |" in card
     assert math.isfinite(float(metrics["privacy/epsilon"]))
-
-
-@pytest.mark.slow
-def test_two_data_parallel_processes_move_one_bound(tmp_path: Path) -> None:
-    """DDP through the real ``dplit``: each rank counts its examples, rank 0 noises the count, one C_t for all."""
-    ddp = ["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.limit_train_batches", "2",
-           "--trainer.max_epochs", "1", "--trainer.strategy.init_args.clip_mode", "quantile"]  # fmt: skip
-    done = run_dplit("fit", *quickstart_args(tmp_path, *ddp))
-    assert done.returncode == 0, done.stderr[-3000:]
-    ledger = json.loads(max(tmp_path.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime).read_text())
-    assert ledger["clip_mode"] == "quantile" and ledger["clip_bound"] != 1.0
-    assert history_steps(ledger["accountant"]["history"]) == 2
 
 
 def test_units_counted_outside_the_engine_join_the_noisy_count_at_a_half_each() -> None:

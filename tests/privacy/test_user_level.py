@@ -196,12 +196,19 @@ def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_two_data_parallel_processes_train_over_users(tmp_path: Path) -> None:
-    """DDP through the real ``dplit``: users (not rows) sharded over 2 gloo ranks, N and q over users, one ledger."""
+def test_two_data_parallel_processes_train_over_users_with_a_quantile_bound(tmp_path: Path) -> None:
+    """DDP through the real ``dplit``: users sharded over 2 gloo ranks, one noisy count, one C_t, one ledger.
+
+    Users (not rows) are sharded over the ranks, N and q count users; each rank counts its users under the bound,
+    rank 0 noises the count, and every rank moves to the same C_t. One two-process run for both (each costs a fresh interpreter per rank); ``test_sharded_strategy.py`` runs the
+    same pair on FSDP2.
+    """
     users = ["--data.privacy_unit", "user", "--data.max_rows_per_user", "4"]
-    ddp = ["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.limit_train_batches", "2"]
+    ddp = ["--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.limit_train_batches", "2",
+           "--trainer.strategy.init_args.clip_mode", "quantile"]  # fmt: skip
     done = run_dplit("fit", *quickstart_args(tmp_path, *ddp, "--trainer.max_epochs", "1", *users))
     assert done.returncode == 0, done.stderr[-3000:]
     ledger = json.loads(max(tmp_path.rglob(LEDGER_FILE), key=lambda path: path.stat().st_mtime).read_text())
     assert ledger["privacy_unit"] == "user" and ledger["users"] == ledger["dataset_size"] < 200
+    assert ledger["clip_mode"] == "quantile" and ledger["clip_bound"] != 1.0
     assert history_steps(ledger["accountant"]["history"]) == 2
