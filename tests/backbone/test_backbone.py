@@ -5,20 +5,18 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import pytest
-
-from tests.helpers.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.paths import REPOSITORY
 
 CONFIGS = REPOSITORY / "configs"
 
 
 def quickstart(*flags: str, root: Path) -> subprocess.CompletedProcess[str]:
-    """``dplit fit`` of the quickstart config with ``flags``, logging under ``root``."""
-    return run_dplit("fit", "--config", str(CONFIGS / "quickstart.yaml"), "--trainer.default_root_dir", str(root / "run"), *flags)
+    """``dplit fit`` of the quickstart config with ``flags``, logging under ``root``, run in this process."""
+    config = ["--config", str(CONFIGS / "quickstart.yaml"), "--trainer.default_root_dir", str(root / "run")]
+    return run_dplit_in_process("fit", *config, *flags)
 
 
-@pytest.mark.slow
 def test_a_folder_without_config_json_is_named_as_not_a_model_folder(tmp_path: Path) -> None:
     folder = tmp_path / "notes"
     folder.mkdir()
@@ -27,7 +25,6 @@ def test_a_folder_without_config_json_is_named_as_not_a_model_folder(tmp_path: P
     assert f"model.pretrained='{folder}': the folder is not a model folder (no config.json)" in error
 
 
-@pytest.mark.slow
 def test_a_peft_method_that_cannot_wrap_gpt2s_conv1d_names_model_peft(tmp_path: Path) -> None:
     loha = '{"class_path": "peft.LoHaConfig", "init_args": {"r": 4, "target_modules": ["c_attn"]}}'
     error = refusal_line(quickstart("--model.peft", loha, root=tmp_path))

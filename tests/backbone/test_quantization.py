@@ -24,7 +24,7 @@ from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.commands import CONFIGS, checkpoint_of, glue_args, steps
-from tests.helpers.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.families import SMALL
 from tests.helpers.oracles import assert_close, padded_batch, run
 
@@ -136,7 +136,7 @@ def test_a_trainable_quantised_layer_is_refused_by_name(tmp_path: Path) -> None:
         _quantised(pretrained=str(tmp_path / "qwen2"), peft=LoraConfig(r=4, target_modules=TARGETS, bias="all"))
 
 
-def test_the_real_executable_refuses_an_unknown_quantisation_key(
+def test_dplit_refuses_an_unknown_quantisation_key_in_one_line(
     tmp_path: Path, tiny_bpe_dir: Path, qlora_base: Path
 ) -> None:
     args = [
@@ -146,7 +146,7 @@ def test_the_real_executable_refuses_an_unknown_quantisation_key(
         "--model.pretrained",
         str(qlora_base),
     ]
-    done = run_dplit("fit", *args, "--model.quantization", '{"load_in_4bits": true}')
+    done = run_dplit_in_process("fit", *args, "--model.quantization", '{"load_in_4bits": true}')
     assert done.returncode == 2
     assert "model.quantization: unknown key 'load_in_4bits'" in refusal_line(done)
 

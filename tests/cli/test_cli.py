@@ -23,7 +23,7 @@ from tests.helpers.commands import (
     quickstart_args,
     steps,
 )
-from tests.helpers.executable import dplit_executable, user_environment
+from tests.helpers.executable import run_dplit_in_process
 
 GLUE_CONFIGS = sorted(
     p
@@ -195,7 +195,6 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -203,25 +202,22 @@ def test_quickstart_variants_take_a_ghost_clipped_step(override: list[str], tmp_
         (["--trainer.strategy.init_args.max_grad_norm", "-1"], "DPStrategy.max_grad_norm must be a finite number"),
     ],
 )
-def test_the_dplit_executable_prints_a_refusal_as_one_line(tmp_path: Path, extra: list[str], message: str) -> None:
-    command = [dplit_executable(), "fit", *quickstart_args(tmp_path, *extra)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=user_environment())
+def test_dplit_prints_a_refusal_as_one_line_and_its_traceback_with_debug(
+    tmp_path: Path, extra: list[str], message: str
+) -> None:
+    """Through the console script's function in this process (the executable's end-to-end rows: test_bad_inputs.py)."""
+    args = ["fit", *quickstart_args(tmp_path, *extra)]
+    result = run_dplit_in_process(*args)
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in output
     errors = [line for line in output.splitlines() if line.startswith("dplit: error:")]
     assert len(errors) == 1 and message in errors[0]
-    debug = subprocess.run([*command, "--debug"], capture_output=True, text=True, timeout=300, check=False, env=user_environment())
+    debug = run_dplit_in_process(*args, "--debug")
     assert debug.returncode != 0 and "Traceback" in debug.stdout + debug.stderr
 
 
-@pytest.mark.slow
 def test_a_plain_typed_flag_given_another_type_is_one_line(tmp_path: Path) -> None:
-    import subprocess
-
-    from tests.helpers.executable import dplit_executable, user_environment
-
-    command = [dplit_executable(), "fit", *quickstart_args(tmp_path, "--trainer.max_steps", "abc")]
-    result = subprocess.run(command, capture_output=True, text=True, env=user_environment(), timeout=600, check=False)
+    result = run_dplit_in_process("fit", *quickstart_args(tmp_path, "--trainer.max_steps", "abc"))
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1:] == [
         "dplit: error: trainer.max_steps='abc': expected an integer"
     ], result.stderr

@@ -17,7 +17,7 @@ from dplit.data.text import TextDataModule
 from dplit.data.users import synthetic_users, user_indices, warn_dominant_user
 from dplit.privacy.clipping.units import UNIT_KEY
 from tests.helpers.commands import CONFIGS, glue_args, lm_args, steps
-from tests.helpers.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.glue_files import write_tsv
 
 HEADER = "sentence\tlabel\tauthor"
@@ -103,11 +103,11 @@ def test_a_user_setting_without_users_is_refused_in_one_line(
     assert "\n" not in str(refused.value)
 
 
-def test_the_real_executable_refuses_a_missing_user_column(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+def test_dplit_refuses_a_missing_user_column_in_one_line(tmp_path: Path, tiny_bpe_dir: Path) -> None:
     folder = sst2_with_authors(tmp_path / "sst2", ["ann", "bo", "cy", "ann"])
     args = glue_args(CONFIGS / "sst2_untied.yaml", tmp_path / "run", tiny_bpe_dir)
     users = ["--data.data_dir", str(folder), "--data.privacy_unit", "user", "--data.user_column", "writer"]
-    done = run_dplit("fit", *args, *users)
+    done = run_dplit_in_process("fit", *args, *users)
     assert done.returncode == 2
     assert "train.tsv: data.user_column='writer' is not a column" in refusal_line(done)
 

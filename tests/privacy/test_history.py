@@ -25,7 +25,7 @@ from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
 from tests.helpers.commands import quickstart_args, steps
-from tests.helpers.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.fitting import fit, make_model
 from tests.helpers.tiny import RandomTokenData
 
@@ -159,7 +159,7 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     assert str(tmp_path) not in json.dumps(guarantee)  # the card names base names, never the user's folders
     spent = [*quickstart_args(tmp_path / "third", *steps(2), *built[:2]), "--model.pretrained", str(tmp_path / "export2")]
     spent += ["--trainer.strategy.init_args.target_epsilon", "0.2"]  # the export's 5 steps already spent more
-    error = refusal_line(run_dplit("fit", *spent))
+    error = refusal_line(run_dplit_in_process("fit", *spent))
     assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in error
     assert not list((tmp_path / "third").rglob("*.ckpt"))
 

@@ -12,7 +12,7 @@ from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint
 from tests.helpers.commands import quickstart_args, steps
-from tests.helpers.executable import refusal_line, run_dplit
+from tests.helpers.executable import refusal_line, run_dplit_in_process
 
 SIGMA = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
 
@@ -48,7 +48,6 @@ def test_every_checkpoint_records_the_digest_of_its_weights_history_and_ledger(t
     check_digests(state, source="the file")  # intact: accepted
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("change", ["weights", "ledger", "history"])
 def test_a_changed_checkpoint_is_refused_by_export_and_resume(trained: Path, tmp_path: Path, change: str) -> None:
     path = tampered(trained, tmp_path, change)
@@ -56,7 +55,7 @@ def test_a_changed_checkpoint_is_refused_by_export_and_resume(trained: Path, tmp
         export_checkpoint(path, tmp_path / "export")
     assert not (tmp_path / "export").exists()
     resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
-    error = refusal_line(run_dplit("fit", *resume, "--ckpt_path", str(path)))
+    error = refusal_line(run_dplit_in_process("fit", *resume, "--ckpt_path", str(path)))
     assert f"--ckpt_path {path}: its" in error and "do not match the digest" in error
     assert not list((tmp_path / "resumed").rglob("*.ckpt")) and not list((tmp_path / "resumed").rglob("*.json"))
 
@@ -96,16 +95,15 @@ def test_a_checkpoint_resumed_in_its_run_folder_does_not_warn(trained: Path, tmp
     assert not [warning for warning in caught if "not beside it" in str(warning.message)]
 
 
-@pytest.mark.slow
 def test_resuming_on_a_training_set_of_another_size_names_the_data_not_delta(trained: Path, tmp_path: Path) -> None:
     resume = [*quickstart_args(tmp_path / "resumed", *steps(2), *SIGMA), "--trainer.max_epochs", "2"]
     resume[resume.index("--data.synthetic_train_size") + 1] = "240"
-    error = refusal_line(run_dplit("fit", *resume, "--ckpt_path", str(trained)))
+    error = refusal_line(run_dplit_in_process("fit", *resume, "--ckpt_path", str(trained)))
     assert "the training set has 240 rows, but the checkpoint's run trained on 200" in error
     assert "δ=" not in error and not list((tmp_path / "resumed").rglob("*.ckpt"))
 
 
-@pytest.mark.slow
 def test_a_folder_given_as_ckpt_path_is_called_a_folder(tmp_path: Path) -> None:
     for command in (["fit", *quickstart_args(tmp_path / "run", *steps(1))], ["export", "--output_dir", str(tmp_path / "out")]):
-        assert f"--ckpt_path {tmp_path}: is a folder" in refusal_line(run_dplit(*command, "--ckpt_path", str(tmp_path)))
+        error = refusal_line(run_dplit_in_process(*command, "--ckpt_path", str(tmp_path)))
+        assert f"--ckpt_path {tmp_path}: is a folder" in error

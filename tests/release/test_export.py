@@ -24,13 +24,21 @@ from dplit.release.export import CLASSIFIER_FILE, HEAD_FILE, export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, positions_of
 from tests.helpers.commands import TINY, TINY_LLAMA, checkpoint_of, glue_args, lm_args, lora_on, quickstart_args, steps
-from tests.helpers.executable import dplit_executable, refusal_line, run_dplit, user_environment
+from tests.helpers.executable import dplit_executable, refusal_line, run_dplit_in_process, user_environment
 from tests.helpers.paths import REPOSITORY
 
 SST2_LORA = REPOSITORY / "configs" / "smollm2_sst2_lora.yaml"
 POLICIES = {"tied": "dplit.embeddings.TiedEmbeddings", "untied": "dplit.embeddings.UntiedEmbeddings"}
 FAMILIES = {"gpt2": TINY, "llama": TINY_LLAMA}
 TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def quickstart_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoint of a one-step quickstart run, shared by the tests that only read it."""
+    root = tmp_path_factory.mktemp("quickstart")
+    run_cli(["fit", *quickstart_args(root, *steps(1))])
+    return checkpoint_of(root)
 
 
 
@@ -301,13 +309,15 @@ def test_adapter_only_is_refused_when_the_embedding_was_trained_too(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(tmp_path: Path) -> None:
-    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(
+    quickstart_checkpoint: Path, tmp_path: Path
+) -> None:
+    """The one export through the real executable (the console script end to end; the rest call it in process)."""
     command = [
         dplit_executable(),
         "export",
         "--ckpt_path",
-        str(checkpoint_of(tmp_path)),
+        str(quickstart_checkpoint),
         "--output_dir",
         str(tmp_path / "out"),
     ]
@@ -319,12 +329,13 @@ def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(
     }
 
 
-def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(tmp_path: Path) -> None:
-    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
-    export_checkpoint(checkpoint_of(tmp_path), tmp_path / "named", data_description="support tickets, 2024")
+def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
+    quickstart_checkpoint: Path, tmp_path: Path
+) -> None:
+    export_checkpoint(quickstart_checkpoint, tmp_path / "named", data_description="support tickets, 2024")
     named = json.loads((tmp_path / "named" / GUARANTEE_FILE).read_text())
     assert named["data_source"] == "support tickets, 2024"
-    checkpoint = torch.load(checkpoint_of(tmp_path), map_location="cpu", weights_only=True)
+    checkpoint = torch.load(quickstart_checkpoint, map_location="cpu", weights_only=True)
     from dplit.release.guarantee import data_source, public_name
 
     assert data_source({"train_file": str(tmp_path / "private" / "notes.jsonl")}) == "file notes.jsonl"
@@ -333,27 +344,26 @@ def test_the_card_names_the_data_by_description_or_base_name_never_a_local_path(
     assert checkpoint["hyper_parameters"] is not None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("config", ["missing.yaml", "lm_quickstart.yaml"])
-def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(tmp_path: Path, config: str) -> None:
-    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
+def test_an_export_config_that_is_missing_or_for_the_other_model_is_refused(
+    quickstart_checkpoint: Path, tmp_path: Path, config: str
+) -> None:
     path = REPOSITORY / "configs" / config
     error = refusal_line(
-        run_dplit("export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "export"),
-                  "--config", str(path))
+        run_dplit_in_process("export", "--ckpt_path", str(quickstart_checkpoint),
+                             "--output_dir", str(tmp_path / "export"), "--config", str(path))
     )  # fmt: skip
     expected = "no such file" if config == "missing.yaml" else "configures a `dplit lm fit` (text generation) run"
     assert f"--config {path}: {expected}" in error and not (tmp_path / "export").exists()
 
 
-def test_an_export_folder_follows_the_umask_not_mkdtemps_0700(tmp_path: Path) -> None:
+def test_an_export_folder_follows_the_umask_not_mkdtemps_0700(quickstart_checkpoint: Path, tmp_path: Path) -> None:
     import os
     import stat
 
-    run_cli(["fit", *quickstart_args(tmp_path, *steps(1))])
     previous = os.umask(0o022)
     try:
-        export_checkpoint(checkpoint_of(tmp_path), tmp_path / "shared")
+        export_checkpoint(quickstart_checkpoint, tmp_path / "shared")
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o755

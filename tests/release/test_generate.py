@@ -28,7 +28,13 @@ from dplit.release.generate import (
     write_samples,
 )
 from tests.helpers.commands import checkpoint_of, lm_args
-from tests.helpers.executable import dplit_executable, popen_receiving_ctrl_c, run_dplit, user_environment
+from tests.helpers.executable import (
+    dplit_executable,
+    popen_receiving_ctrl_c,
+    run_dplit,
+    run_dplit_in_process,
+    user_environment,
+)
 
 PROMPTS = [{"prompt": "the movie is", "label": 1}, {"prompt": "this actress seems so very", "label": 0}]
 
@@ -159,15 +165,15 @@ def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warni
     assert len(rows) == 2 * len(prompts) and all(row["text"] for row in rows)
 
 
-@pytest.mark.slow
-def test_the_executable_generates_with_default_options_from_a_quickstart_export(
+def test_dplit_lm_generate_runs_with_default_options_from_a_quickstart_export(
     exported_lm: tuple[Path, Path], tmp_path: Path
 ) -> None:
+    """In this process: the real executable generates in the test that writes the JSONL and prints its privacy."""
     _, folder = exported_lm
     lines = tmp_path / "prompts.txt"
     lines.write_text("the movie is\nthis actress seems so very\n")
     out = tmp_path / "synthetic.jsonl"
-    result = run_dplit(*generate_args(folder, lines, out, "--num_samples", "1", "--no_progress"))
+    result = run_dplit_in_process(*generate_args(folder, lines, out, "--num_samples", "1", "--no_progress"))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     warning = [line for line in result.stderr.splitlines() if "--max_new_tokens" in line]
     assert len(warning) == 1 and warning[0].startswith("dplit: warning: --max_new_tokens=64"), result.stderr
@@ -256,7 +262,7 @@ def test_ctrl_c_while_generating_keeps_the_samples_drawn_in_one_line(
     assert lines[-1] == f"dplit: interrupted: {kept}"
     assert [line for line in lines if "interrupted" in line] == lines[-1:] and rows and not out.exists()
     assert rows[0] == {"prompt": PROMPTS[0]["prompt"], "label": 1, "sample": 0, "text": rows[0]["text"]}
-    refused = subprocess.run(command, capture_output=True, text=True, env=user_environment(), check=False)
+    refused = run_dplit_in_process(*command[1:])  # the rerun's refusal needs no fresh process
     assert refused.returncode == 2 and f"{partial} exists (the samples an interrupted run kept)" in refused.stderr
 
 
