@@ -35,9 +35,9 @@ def _shared_data() -> Path:
 def smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct read once from its GGUF file by dplit's own loaders, saved as a plain HF folder.
 
-    Dequantising the GGUF file (model and tokenizer) costs ~20 s on a CPU core: the tests that need the real
-    model but not the GGUF path take this folder; ``test_real_smollm2_gguf_takes_a_private_step_on_real_sst2[tied]``
-    and the data tests still read the GGUF file itself.
+    Reading the GGUF file (model and tokenizer) costs ~20 s on a CPU core, so it is read here once and every test
+    of the real model takes this folder; the data tests read the real file's tokenizer, and
+    ``tests/backbone/test_gguf.py`` takes a tiny GGUF file through ``dplit fit``.
     """
     from dplit.backbone.causal_lm import build_causal_lm
     from dplit.data.tokenizer import load_tokenizer

@@ -17,7 +17,6 @@ from dplit.backbone.embeddings import is_tied
 from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.release.export import export_checkpoint
 from tests.helpers.commands import CONFIGS, TINY, checkpoint_of, steps
-from tests.helpers.paths import SMOLLM2_GGUF
 
 pytestmark = pytest.mark.slow  # real models: tens of seconds each
 
@@ -50,16 +49,15 @@ def test_real_sst2_with_gpt2_tokenizer_trains_privately(shared_data_dir: Path, t
 
 @pytest.mark.parametrize("policy", ["tied", "untied"])
 def test_real_smollm2_takes_a_private_step_on_real_sst2(
-    policy: str, shared_data_dir: Path, request: pytest.FixtureRequest, tmp_path: Path
+    policy: str, shared_data_dir: Path, smollm2_folder: Path, tmp_path: Path
 ) -> None:
-    """Tied: read from the GGUF file, with the ghost self-check on the real model; untied: from the folder saved once."""
-    if policy == "tied":
-        folder = shared_data_dir / "smollm2-135m-instruct"
-        if not (folder / SMOLLM2_GGUF).is_file():
-            pytest.skip(f"{folder / SMOLLM2_GGUF} is absent from DPLIT_DATA_DIR")
-        source = ["--model.gguf_file", SMOLLM2_GGUF, "--data.gguf_file", SMOLLM2_GGUF]
-    else:
-        folder, source = request.getfixturevalue("smollm2_folder"), ["--trainer.strategy.init_args.self_check", "false"]
+    """SmolLM2 as read once from its GGUF file (``smollm2_folder``); tied: with the ghost self-check on the real model.
+
+    The GGUF file through ``dplit fit`` itself (``--model.gguf_file``/``--data.gguf_file``) is
+    ``tests/backbone/test_gguf.py``'s, on a tiny file: reading this one takes ~20 s each time.
+    """
+    folder = smollm2_folder
+    source = [] if policy == "tied" else ["--trainer.strategy.init_args.self_check", "false"]
     cli = run_cli([
         "fit",
         "--config", str(CONFIGS / f"smollm2_sst2_{policy}.yaml"),  # the offline override of its header
