@@ -10,6 +10,7 @@ function (in float64 log space), never from a normal approximation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -20,10 +21,16 @@ SEARCH_TOLERANCE = 1e-5
 """Width of the bisection bracket at which ε̂ is returned (its lower end, so ε̂ is never overstated)."""
 
 
-def binomial_pmf(trials: int, probability: float) -> Tensor:
-    """P[Binomial(trials, probability) = k] for k = 0..trials, float64 [trials + 1]."""
+@functools.lru_cache(maxsize=128)
+def _log_choose(trials: int) -> tuple[Tensor, Tensor]:
+    """The k = 0..trials and log C(trials, k), float64 [trials + 1] each: cached, never to be written to."""
     k = torch.arange(trials + 1, dtype=torch.float64)
-    log_choose = math.lgamma(trials + 1) - torch.lgamma(k + 1) - torch.lgamma(trials - k + 1)  # [trials + 1]
+    return k, math.lgamma(trials + 1) - torch.lgamma(k + 1) - torch.lgamma(trials - k + 1)
+
+
+def binomial_pmf(trials: int, probability: float) -> Tensor:
+    """P[Binomial(trials, probability) = k] for k = 0..trials, float64 [trials + 1] (a new tensor)."""
+    k, log_choose = _log_choose(trials)  # [trials + 1] each
     if probability in (0.0, 1.0):
         return (k == trials * probability).to(torch.float64)
     log_pmf = log_choose + k * math.log(probability) + (trials - k) * math.log1p(-probability)
@@ -54,8 +61,9 @@ def p_value(*, canaries: int, guesses: int, correct: int, epsilon: float, delta:
     return min(tail + alpha * delta * 2 * canaries, 1.0)
 
 
+@functools.lru_cache(maxsize=4096)
 def epsilon_lower_bound(*, canaries: int, guesses: int, correct: int, delta: float, confidence: float) -> float:
-    """The largest ε that ``correct`` of ``guesses`` refutes at ``confidence`` (0 when none is refuted)."""
+    """The largest ε that ``correct`` of ``guesses`` refutes at ``confidence`` (0 when none is refuted; cached)."""
     level = 1 - confidence
     low, high = 0.0, 1.0
 

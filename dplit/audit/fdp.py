@@ -14,7 +14,6 @@ curve of full-batch DP-SGD as the white-box auditor sees it, the GDP reading of 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,21 +62,60 @@ def refutes(
         correct: v of each lane (0 ≤ v ≤ r), of the same shape.
         level: τ, e.g. 0.05 for 95% confidence.
     """
-    available = guesses / canaries  # r/m
+    guesses, correct = np.broadcast_arrays(np.asarray(guesses), np.asarray(correct))
+    masses = np.zeros(guesses.shape)  # [...]: the curve's argument, lanes not walking left at 0
+
+    def least(probability: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+        masses.reshape(-1)[lanes] = probability  # the curve is elementwise: other lanes' entries change nothing
+        return np.broadcast_to(least_probability(masses), guesses.shape).reshape(-1)[lanes]
+
+    refuted = _walk(least, canaries=canaries, guesses=guesses.reshape(-1), correct=correct.reshape(-1), level=level)
+    return refuted.reshape(guesses.shape)
+
+
+LaneCurve = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""A curve per lane: (probabilities, the flat indices of their lanes) ↦ least probabilities (elementwise)."""
+
+
+def _walk(
+    least: LaneCurve, *, canaries: int, guesses: np.ndarray, correct: np.ndarray, level: float, settle: bool = False
+) -> np.ndarray:
+    """:func:`refutes`' recursion over flat lanes, stepping only the lanes that walk (v > step).
+
+    Each lane's arithmetic is the same as a whole-array walk's, so its masses are the same to the last bit. With
+    ``settle`` (for a curve that never returns NaN), a lane whose total already exceeds r/m leaves the walk refuted:
+    both masses only grow along it (the forced wrong mass is at least the last, the right one gains a nonnegative
+    amount, and rounding is monotone), so the walk's end would exceed r/m too.
+    """
+    available = guesses / canaries  # [lanes]: r/m
     right, wrong = np.zeros(guesses.shape), np.zeros(guesses.shape)  # the recursion's r_i and h_i
-    for step in range(int(correct.max(initial=0)), -1, -1):
-        walking = correct > step
-        forced = np.maximum(wrong, least_probability(right))
-        right = np.where(walking, right + step / np.maximum(guesses - step, 1) * (forced - wrong), right)
-        wrong = np.where(walking, forced, wrong)
-        starting = correct == step
-        right = np.where(starting, level * available * correct / guesses, right)
-        wrong = np.where(starting, level * available * (guesses - correct) / guesses, wrong)
+    by_start = np.argsort(-correct, kind="stable")  # [lanes]: most right guesses first, the order lanes start in
+    steps = np.arange(int(correct.max(initial=0)), -1, -1)  # [steps]
+    ends = np.searchsorted(-correct[by_start], -steps, side="right")  # [steps]: lanes started by the end of each
+    walking = [np.empty(0, dtype=np.intp), np.empty(0), np.empty(0), np.empty(0, dtype=guesses.dtype), np.empty(0)]
+    for step, started, ending in zip(steps.tolist(), [0, *ends[:-1].tolist()], ends.tolist(), strict=True):
+        lanes, right_mass, wrong_mass, total, share = walking  # the walking lanes' indices, r_i, h_i, r and r/m
+        if lanes.size:
+            forced = np.maximum(wrong_mass, least(right_mass, lanes))
+            right_mass = right_mass + step / np.maximum(total - step, 1) * (forced - wrong_mass)
+            walking[1:3] = right_mass, forced
+            if settle and (settled := right_mass + forced > share).any():
+                right[lanes[settled]], wrong[lanes[settled]] = right_mass[settled], forced[settled]
+                walking = [column[~settled] for column in walking]
+        if ending > started:
+            new = by_start[started:ending]  # the lanes of v = step
+            start_right = level * available[new] * correct[new] / guesses[new]
+            start_wrong = level * available[new] * (guesses[new] - correct[new]) / guesses[new]
+            columns = (new, start_right, start_wrong, guesses[new], available[new])
+            walking = [np.concatenate([column, more]) for column, more in zip(walking, columns, strict=True)]
+    right[walking[0]], wrong[walking[0]] = walking[1], walking[2]
     return right + wrong > available
 
 
 def mu_lower_bound(*, canaries: int, guesses: np.ndarray, correct: np.ndarray, level: float) -> np.ndarray:
     """μ̂ of each (r, v) lane: the end of the refuted interval [0, μ*), from below (0 when even μ = 0 stands).
+
+    Lanes of the same (r, v) are computed once.
 
     Args:
         canaries: m.
@@ -86,20 +124,41 @@ def mu_lower_bound(*, canaries: int, guesses: np.ndarray, correct: np.ndarray, l
         level: τ, the p-value at which μ is refuted.
     """
     guesses, correct = np.broadcast_arrays(np.asarray(guesses), np.asarray(correct))
+    flat_guesses, flat_correct = guesses.reshape(-1), correct.reshape(-1)
+    _, first, lane = np.unique(np.stack([flat_guesses, flat_correct]), axis=1, return_index=True, return_inverse=True)
+    bounds = _mu_lower_bound(canaries=canaries, guesses=flat_guesses[first], correct=flat_correct[first], level=level)
+    return bounds[lane.reshape(-1)].reshape(guesses.shape)
+
+
+def _mu_lower_bound(*, canaries: int, guesses: np.ndarray, correct: np.ndarray, level: float) -> np.ndarray:
+    """:func:`mu_lower_bound` of flat lanes, each refined only while its bracket is open.
+
+    A lane whose bracket has closed (low = high: μ = 0 stands, or μ = 40 is refuted) would stay where it is.
+    """
     low, high = np.zeros(guesses.shape), np.full(guesses.shape, MU_CEILING)
     for _ in range(GRID_PASSES):
+        lanes = np.flatnonzero(low < high)  # [open]
         fractions = np.linspace(0.0, 1.0, GRID_POINTS)  # [G]
-        mus = low[..., None] + (high - low)[..., None] * fractions  # [..., G]
-        refuted = refutes(
-            functools.partial(gdp_least_probability, mu=mus), canaries=canaries, level=level,
-            guesses=np.broadcast_to(guesses[..., None], mus.shape), correct=np.broadcast_to(correct[..., None], mus.shape),
-        )  # fmt: skip
-        last = GRID_POINTS - 1 - np.argmax(refuted[..., ::-1], axis=-1)  # [...]: the largest refuted grid index
+        mus = low[lanes, None] + (high[lanes] - low[lanes])[:, None] * fractions  # [open, G]
+        refuted = _walk(
+            _gdp_lanes(mus.reshape(-1)), canaries=canaries, guesses=np.repeat(guesses[lanes], GRID_POINTS),
+            correct=np.repeat(correct[lanes], GRID_POINTS), level=level, settle=True,
+        ).reshape(mus.shape)  # fmt: skip
+        last = GRID_POINTS - 1 - np.argmax(refuted[:, ::-1], axis=-1)  # [open]: the largest refuted grid index
         none = ~refuted.any(axis=-1)
-        chosen = np.take_along_axis(mus, last[..., None], axis=-1)[..., 0]
-        following = np.take_along_axis(mus, np.minimum(last + 1, GRID_POINTS - 1)[..., None], axis=-1)[..., 0]
-        low, high = np.where(none, low, chosen), np.where(none, low, following)
+        chosen = np.take_along_axis(mus, last[:, None], axis=-1)[:, 0]
+        following = np.take_along_axis(mus, np.minimum(last + 1, GRID_POINTS - 1)[:, None], axis=-1)[:, 0]
+        low[lanes], high[lanes] = np.where(none, low[lanes], chosen), np.where(none, low[lanes], following)
     return low
+
+
+def _gdp_lanes(mus: np.ndarray) -> LaneCurve:
+    """G_μ of each flat lane's own μ (``mus`` [lanes]), as :func:`_walk` applies it."""
+
+    def least(probability: np.ndarray, lanes: np.ndarray) -> np.ndarray:
+        return gdp_least_probability(probability, mus[lanes])
+
+    return least
 
 
 def gdp_delta(epsilon: float, mu: float) -> float:

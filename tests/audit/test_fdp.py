@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -11,7 +12,7 @@ import torch
 from dp_accounting.pld import privacy_loss_distribution
 from scipy import integrate, stats
 
-from dplit.audit.bound import correct_guesses, epsilon_lower_bound
+from dplit.audit.bound import binomial_pmf, correct_guesses, epsilon_lower_bound
 from dplit.audit.fdp import (
     dpsgd_mu,
     gdp_bound,
@@ -67,6 +68,21 @@ def test_a_lane_array_gives_the_same_bounds_as_one_lane_at_a_time() -> None:
     assert together.tolist() == alone
 
 
+def test_the_search_settling_refuted_lanes_early_agrees_with_the_whole_walk() -> None:
+    """mu_lower_bound's walk (only the walking lanes, refuted ones leaving early) decides as refutes' whole walk."""
+    from dplit.audit.fdp import _gdp_lanes, _walk
+
+    mus = np.linspace(0, 4, 33)  # [G]
+    guesses = np.broadcast_to(np.array([1, 7, 60, 200])[:, None], (4, mus.size))  # [4, G]
+    correct = np.broadcast_to(np.array([1, 5, 41, 150])[:, None], guesses.shape)  # [4, G]
+    lane_mus = np.broadcast_to(mus, guesses.shape)
+    whole = refutes(functools.partial(gdp_least_probability, mu=lane_mus), canaries=300, level=0.05, guesses=guesses,
+                    correct=correct)  # fmt: skip
+    settled = _walk(_gdp_lanes(lane_mus.reshape(-1)), canaries=300, guesses=guesses.reshape(-1),
+                    correct=correct.reshape(-1), level=0.05, settle=True)  # fmt: skip
+    assert whole.any() and not whole.all() and np.array_equal(settled.reshape(whole.shape), whole)
+
+
 @pytest.mark.parametrize("mu", [0.3, 1.0, 2.5])
 def test_gdp_privacy_profile_matches_numerical_integration_of_the_privacy_loss(mu: float) -> None:
     """δ(ε) = E_P[(1 − e^{ε − L})₊] with L = μX − μ²/2, X ~ N(μ, 1): integrated numerically, not from the formula."""
@@ -110,6 +126,26 @@ def test_the_plan_is_reproducible_and_its_ceiling_is_all_guesses_right() -> None
     guesses = plan.k_plus + plan.k_minus
     assert plan.ceiling_mu == mu_hat(400, guesses, guesses)
     assert 0 < plan.expected_mu <= plan.ceiling_mu and plan.expected_epsilon == gdp_epsilon(plan.expected_mu, 1e-6)
+
+
+def test_a_cached_plan_is_the_plan_computed_afresh_and_cannot_be_changed_by_a_caller() -> None:
+    kwargs = {"canaries": 200, "noise_multiplier": 1.5, "sample_rate": 1.0, "steps": 4, "delta": 1e-5,
+              "confidence": 0.9, "simulations": 3}  # fmt: skip
+    plan = plan_guesses(**kwargs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.k_plus = 0  # type: ignore[misc]
+    assert plan_guesses(**kwargs) is plan  # the second audit of the same claim reuses it
+    plan_guesses.cache_clear()
+    assert plan_guesses(**kwargs) == plan
+
+
+def test_a_pmf_is_a_new_tensor_each_call() -> None:
+    """binomial_pmf caches its binomial coefficients: a caller writing to a pmf changes no later one."""
+    first = binomial_pmf(50, 0.3)
+    expected = first.clone()
+    first.mul_(0)
+    assert torch.equal(binomial_pmf(50, 0.3), expected)
+    assert float(expected.sum()) == pytest.approx(1.0)
 
 
 def test_without_noise_the_plan_shows_nearly_the_most_m_canaries_can_show() -> None:
