@@ -1,6 +1,6 @@
 """Sharded DP-SGD (FSDP2) against whole replicas and non-private FSDP: step time, per-rank memory and state.
 
-Three arms, each in its own spawn of ``--world-size`` ranks (gloo on the CPU, NCCL on CUDA), on bench.step's
+Three arms, each in ``--world-size`` fresh processes of its own (gloo on the CPU, NCCL on CUDA), on bench.step's
 random-init label-word CausalLMClassifier (``--size``, default ``smollm2``: SmolLM2-135M's shape, tied), each rank
 with its own batch of B random sequences of T tokens; every step ends with AdamW:
 
@@ -10,14 +10,20 @@ with its own batch of B random sequences of T tokens; every step ends with AdamW
 
 Per arm: the median step time after ``--warmup`` (wall clock between barriers: the slowest rank's), the busiest
 rank's CPU time per timed step (steadier where other processes share the CPUs), the per-rank peak memory (peak RSS
-from ``getrusage``; on CUDA max allocated) and state bytes (parameters, gradients or the clipped-sum buffer, AdamW
-state, from the tensors' local sizes after the last step), max over ranks; the ratios dp_fsdp / non_private_fsdp
-step time (target ≤ 1.15) and CPU time, dp_fsdp / dp_ddp state (≤ 0.55) and peak memory. Writes ``results.json``
-and ``table.md`` to ``--out`` (default bench/results/fsdp/)::
+from ``getrusage``: the library pages it touches, the whole model as built, the steps' buffers; on CUDA max
+allocated) and state bytes (parameters, gradients or the clipped-sum buffer, AdamW state, from the tensors' local
+sizes after the last step), max over ranks; the ratios dp_fsdp / non_private_fsdp step time (target ≤ 1.15) and
+CPU time, dp_fsdp / dp_ddp state (≤ 0.55) and peak memory. Writes ``results.json`` and ``table.md`` to ``--out``
+(default bench/results/fsdp/)::
 
     python -m bench.fsdp --batch-size 8 --seq-len 32 --warmup 1 --steps 6   # SmolLM2 size, 2 CPU processes
     python -m bench.fsdp --size tiny --steps 1 --out /tmp/fsdp                # tests/bench/test_fsdp.py
     python -m bench.fsdp --device cuda --world-size 1                         # bench/gpu.sh's fsdp_smoke
+
+A rank is a fork of a forkserver that has imported :data:`PRELOAD` (:mod:`bench.fresh_process`) and nothing else: no
+tensor, no CUDA, no process group (each rank initialises its own device and group), so the ranks do not pay the
+imports (seconds each) and a rank's peak RSS is its own (bench/README.md compares it with the spawned ranks of the
+committed tables: those also counted the pages only the imports touch).
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.fresh_process import process_context, run_ranks
 from bench.machine import ROOT, free_port, git_info, machine_info
-from bench.models import MODELS, build_model, make_batch
+from bench.models import MODELS, build_model, family, make_batch
 from bench.process_stats import cpu_jiffies, current_rss_mb, others_share, peak_rss_mb
 from bench.report import machine_line
 from bench.targets import Target, busy_note, ratio_table, ratios
@@ -51,6 +58,11 @@ RATIOS = [
     Target("peak memory per rank dp_fsdp / dp_ddp", "dp_fsdp", "dp_ddp", "peak_mem_mb", None),
 ]
 Arm = tuple[Callable[[], None], Any, Any]  # an arm's step closure, its AdamW and its DPSGD (None: non-private)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
+           "torch.distributed.device_mesh", "transformers", "dplit.tasks.classifier", "dplit.privacy.dpsgd",
+           "dplit.privacy.settings", "dplit.backbone.sharding", "dplit.privacy.sharded_world",
+           "dplit.privacy.world"]  # fmt: skip
+"""What every rank imports (besides its model family's transformers module), imported once by the forkserver."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -195,7 +207,7 @@ def measure(rank: int, args: argparse.Namespace, arm: str, device: Any) -> dict[
 
 
 def rank_main(rank: int, args: argparse.Namespace, arm: str, folder: str, port: int) -> None:
-    """One rank of one arm (a spawned process): join the group, measure, write ``folder/rank<r>.json``."""
+    """One rank of one arm (a fresh process): join the group, measure, write ``folder/rank<r>.json``."""
     import torch
     import torch.distributed as dist
 
@@ -213,14 +225,23 @@ def rank_main(rank: int, args: argparse.Namespace, arm: str, folder: str, port: 
     Path(folder, f"rank{rank}.json").write_text(json.dumps(record))
 
 
-def run_arm(args: argparse.Namespace, arm: str) -> dict[str, Any]:
-    """Spawn the arm's ranks and combine them: the slowest rank per step, the largest per-rank memory and state."""
-    import torch.multiprocessing as mp
+def rank_context(args: argparse.Namespace) -> Any:
+    """The forkserver every rank is forked from: :data:`PRELOAD` and the model family's module imported.
 
+    Without ``MALLOC_MMAP_THRESHOLD_`` (glibc's defaults, as the spawned ranks of the committed tables had). Nothing
+    here or in the server touches CUDA (on CUDA, should anything ask ``is_available()``, torch asks NVML, not the
+    driver): each rank initialises it after the fork, in ``rank_main``.
+    """
+    model = family(args.size)
+    return process_context(args.device, [*PRELOAD, f"transformers.models.{model}.modeling_{model}"],
+                           follow_tensors=False)  # fmt: skip
+
+
+def run_arm(args: argparse.Namespace, arm: str, context: Any) -> dict[str, Any]:
+    """Run the arm's ranks (forks of ``context``); combine them: the slowest rank per step, largest memory, state."""
     with tempfile.TemporaryDirectory() as folder:
         try:
-            mp.start_processes(rank_main, args=(args, arm, folder, free_port()), nprocs=args.world_size,
-                               start_method="spawn")  # fmt: skip
+            run_ranks(context, rank_main, args.world_size, args, arm, folder, free_port())
         except Exception as error:  # noqa: BLE001  (a failed arm is a row, the others still run)
             return {"arm": arm, "status": "failed", "message": f"{type(error).__name__}: {error}"[:500]}
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(args.world_size)]
@@ -261,7 +282,7 @@ def table(results: dict[str, Any]) -> str:
         f"{results['git']['describe']}. Command: {code}.", "",
         f"B = {s['batch_size']} per rank, T = {s['seq_len']}, {s['policy']} embedding, {s['steps']} timed steps after "
         f"{s['warmup']} warm-up, {s['threads']} torch thread(s) per rank; σ = {s['sigma']}, C = {s['max_grad_norm']}, "
-        f"ghost clipping; each arm in its own spawn. Peak memory: {memory}, the largest rank's.", "",
+        f"ghost clipping; each arm in fresh processes (forks). Peak memory: {memory}, the largest rank's.", "",
         *([noisy + s["note"], ""] if noisy or s["note"] else []),
         "| arm | status | step s (median) | CPU s / step | others | peak mem MiB / rank | state MiB / rank (params + "
         "grads + AdamW) |", "|---|---|---:|---:|---:|---:|---|", *map(arm_row, arms), "",
@@ -278,9 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine": machine_info(), "git": git_info("dplit"),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "arms": {},
     }  # fmt: skip
+    context = rank_context(args)
     for arm in ARMS:
         started = time.perf_counter()
-        results["arms"][arm] = run_arm(args, arm)
+        results["arms"][arm] = run_arm(args, arm, context)
         print(f"{arm}: {results['arms'][arm].get('step_time_s')} s/step ({time.perf_counter() - started:.0f} s)",
               flush=True)  # fmt: skip
     results["ratios"] = ratios(results["arms"], targets(args.world_size))

@@ -2,7 +2,8 @@
 
 The parent calls :func:`run_arm`; the child (``python -m bench.study.arm SPEC``) runs dplit's own CLI
 (``dplit.cli.lightning_cli.run_cli``), validates once after training, and writes what it measured (validation accuracy, ε spent,
-steps, σ, step times from :class:`StepTimer`, peak memory, trainable parameters by kind) as JSON.
+steps, σ, step times from :class:`~bench.study.step_timer.StepTimer`, peak memory, trainable parameters by kind) as
+JSON. This module imports no Lightning: the parent (a study, ``bench.audit``) plans, launches and tabulates only.
 """
 
 from __future__ import annotations
@@ -24,58 +25,18 @@ from typing import Any
 from bench.machine import child_environment
 from bench.study.record import ROOT, relative
 
-try:
-    from lightning.pytorch import Callback as _Callback
-except ImportError:  # the parent only needs the standard library
-    _Callback = object  # type: ignore[assignment,misc]
 
+def __getattr__(name: str) -> Any:
+    """``bench.study.arm.StepTimer``: the commands recorded before it moved to :mod:`bench.study.step_timer` still run.
 
-class StepTimer(_Callback):  # type: ignore[misc,valid-type]
-    """Wall time and logical-batch size of every optimizer step, and the wall time of training and of each validation.
-
-    A step is timed from batch start to batch end, optimizer step included (on CUDA, synchronised at both ends); the
-    training time is that of the whole training loop.
+    Imported on first use only, in an arm's process: the parents of the arms (the studies, ``bench.audit``) import this
+    module and never Lightning (seconds per process).
     """
+    if name == "StepTimer":
+        from bench.study.step_timer import StepTimer
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self.sizes: list[int] = []
-        self.train_wall = 0.0
-        self.val_walls: list[float] = []
-        self._started = self._train_started = self._val_started = 0.0
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Start the training loop's clock."""
-        self._train_started = time.perf_counter()
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Record the training loop's wall time."""
-        self.train_wall = time.perf_counter() - self._train_started
-
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        """Start a validation run's clock."""
-        self._val_started = time.perf_counter()
-
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        """Record the validation run's wall time."""
-        self.val_walls.append(time.perf_counter() - self._val_started)
-
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        """Start the step's clock (after the device's queued work)."""
-        if pl_module.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(pl_module.device)
-        self._started = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Record the step's wall time (once the device is done) and its logical-batch size."""
-        if pl_module.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(pl_module.device)
-        self.times.append(time.perf_counter() - self._started)
-        self.sizes.append(int(batch["labels"].shape[0]) if isinstance(batch, dict) and "labels" in batch else 0)
+        return StepTimer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def child_main(spec_json: str) -> None:

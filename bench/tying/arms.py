@@ -54,7 +54,7 @@ def dplit_args(args: argparse.Namespace, sources: dict[str, Any], run: dict[str,
     """The ``dplit`` command line of one arm: its shipped SmolLM2 SST-2 config plus the study's overrides."""
     arm = ARMS[run["arm"]]
     command = ["fit" if arm.trains else "validate", "--config", arm.config, *sst2.source_overrides(sources)]
-    callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "bench.study.arm.StepTimer"}]
+    callbacks = [{"class_path": "dplit.callbacks.ResourceMonitor"}, {"class_path": "bench.study.step_timer.StepTimer"}]
     lr = run.get("lr") or (args.lora_lr if arm.lora else args.lr)
     command += [
         "--seed_everything", str(run["seed"]),
