@@ -2,22 +2,28 @@
 
 Each rank clips its own Poisson shard of the logical batch. As soon as the clipping engine has one parameter's
 clipped sum for a micro-batch (whole, from this rank's activations), it is reduce-scattered over the ranks into
-the rows of that parameter this rank holds (dim 0, as FSDP2 shards) and freed: a rank never holds more than one
-parameter's whole gradient, and its buffer holds only its own rows. Then each rank adds N(0, σ²C²) to its rows
+the rows of that parameter this rank holds (dim 0, as FSDP2 shards) and freed once that is done. The reduce-scatter
+runs while the engine forms the next parameter's sum (:data:`IN_FLIGHT`): a rank holds at most two parameters' whole
+sums at once, and its buffer holds only its own rows. Then each rank adds N(0, σ²C²) to its rows
 from its own stream, so every coordinate is noised exactly once across the world with no noise broadcast, and
 hands them to the optimizer as the ``DTensor`` gradient of its shard.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.world import NoiseGenerator, ProcessGroup
+
+IN_FLIGHT = 1
+"""Reduce-scatters a rank leaves running while its engine forms the next sum (each keeps one whole sum alive)."""
 
 SHARDED_FLAG_OWNER = "ShardedDPStrategy"
 """Where a sharded run's user sets these knobs: its refusals name ``ShardedDPStrategy.<field>``."""
@@ -87,6 +93,7 @@ class ShardedGradientBuffer(GradientBuffer):
             _check_dim0_shard(param, rank, size)
         super().__init__(parameters, extra=extra)
         self._size = size
+        self._in_flight: deque[tuple[dist.Work, Tensor, Tensor, Tensor]] = deque()  # (work, view, rows, whole sum)
 
     @staticmethod
     def held_shape(param: nn.Parameter) -> torch.Size:
@@ -112,7 +119,21 @@ class ShardedGradientBuffer(GradientBuffer):
             if whole is not None:
                 stacked[: param.shape[0]] = whole
         summed = view.new_empty((chunk, *param.shape[1:]))  # [chunk, ...]: this rank's chunk, summed over ranks
-        dist.reduce_scatter_single(summed, stacked)
+        work = dist.reduce_scatter_single(summed, stacked, async_op=True)
+        self._in_flight.append((work, view, summed, stacked))  # the whole sum lives until the work is done
+        while len(self._in_flight) > IN_FLIGHT:
+            self._finish_oldest()
+
+    def detach(self) -> None:
+        """Finish every reduce-scatter still running, in the order they started; every ``grad`` is ``None``."""
+        while self._in_flight:
+            self._finish_oldest()
+        super().detach()
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter and add its rows into the buffer (a parameter's sums in their order)."""
+        work, view, summed, _ = self._in_flight.popleft()
+        work.wait()
         view.add_(summed[: view.shape[0]])  # a short last shard holds fewer rows than the chunk
 
     def publish(self, scale: float) -> None:
