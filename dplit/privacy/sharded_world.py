@@ -3,8 +3,8 @@
 Each rank clips its own Poisson shard of the logical batch. As soon as the clipping engine has one parameter's
 clipped sum for a micro-batch (whole, from this rank's activations), it is reduce-scattered over the ranks into
 the rows of that parameter this rank holds (dim 0, as FSDP2 shards) and freed once that is done. The reduce-scatter
-runs while the engine forms the next parameter's sum (:data:`IN_FLIGHT`): a rank holds at most two parameters' whole
-sums at once, and its buffer holds only its own rows. Then each rank adds N(0, σ²C²) to its rows
+runs while the engine forms the next sums (up to :data:`IN_FLIGHT_ELEMENTS` entries of whole sums in flight, or one
+parameter's if it alone is larger), and its buffer holds only its own rows. Then each rank adds N(0, σ²C²) to its rows
 from its own stream, so every coordinate is noised exactly once across the world with no noise broadcast, and
 hands them to the optimizer as the ``DTensor`` gradient of its shard.
 """
@@ -22,8 +22,9 @@ from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.world import NoiseGenerator, ProcessGroup
 
-IN_FLIGHT = 1
-"""Reduce-scatters a rank leaves running while its engine forms the next sum (each keeps one whole sum alive)."""
+IN_FLIGHT_ELEMENTS = 1 << 24
+"""Whole-sum entries a rank may leave in reduce-scatters still running while its engine forms the next sums (64 MiB
+of float32); one parameter's sum larger than this runs alone."""
 
 SHARDED_FLAG_OWNER = "ShardedDPStrategy"
 """Where a sharded run's user sets these knobs: its refusals name ``ShardedDPStrategy.<field>``."""
@@ -94,6 +95,7 @@ class ShardedGradientBuffer(GradientBuffer):
         super().__init__(parameters, extra=extra)
         self._size = size
         self._in_flight: deque[tuple[dist.Work, Tensor, Tensor, Tensor]] = deque()  # (work, view, rows, whole sum)
+        self._in_flight_elements = 0  # entries of the whole sums in self._in_flight
 
     @staticmethod
     def held_shape(param: nn.Parameter) -> torch.Size:
@@ -101,7 +103,14 @@ class ShardedGradientBuffer(GradientBuffer):
         return param.to_local().shape if isinstance(param, DTensor) else param.shape
 
     def attach(self) -> None:
-        """Zero the buffer; every ``grad`` is ``None``, so the engine forms each whole sum for :meth:`receive`."""
+        """Zero the buffer; every ``grad`` is ``None``, so the engine forms each whole sum for :meth:`receive`.
+
+        Raises:
+            RuntimeError: if reduce-scatters of an earlier step are still pending (its ``detach`` failed): their rows
+                must never land in this step's sum.
+        """
+        if self._in_flight:
+            raise RuntimeError("a sharded DP step started while an earlier step's reduce-scatters were pending")
         self.flat.zero_()
         for param in self._parameters:
             param.grad = None
@@ -118,22 +127,32 @@ class ShardedGradientBuffer(GradientBuffer):
             stacked = view.new_zeros(padded)
             if whole is not None:
                 stacked[: param.shape[0]] = whole
+            del whole  # only the padded copy stays alive while it is reduce-scattered
         summed = view.new_empty((chunk, *param.shape[1:]))  # [chunk, ...]: this rank's chunk, summed over ranks
         work = dist.reduce_scatter_single(summed, stacked, async_op=True)
         self._in_flight.append((work, view, summed, stacked))  # the whole sum lives until the work is done
-        while len(self._in_flight) > IN_FLIGHT:
+        self._in_flight_elements += stacked.numel()
+        while len(self._in_flight) > 1 and self._in_flight_elements > IN_FLIGHT_ELEMENTS:
             self._finish_oldest()
 
     def detach(self) -> None:
-        """Finish every reduce-scatter still running, in the order they started; every ``grad`` is ``None``."""
-        while self._in_flight:
-            self._finish_oldest()
+        """Finish every reduce-scatter still running, in the order they started; every ``grad`` is ``None``.
+
+        If a wait fails, the works after it are dropped (their rows never land here) and the error propagates.
+        """
+        try:
+            while self._in_flight:
+                self._finish_oldest()
+        finally:
+            self._in_flight.clear()
+            self._in_flight_elements = 0
         super().detach()
 
     def _finish_oldest(self) -> None:
         """Wait for the oldest reduce-scatter and add its rows into the buffer (a parameter's sums in their order)."""
-        work, view, summed, _ = self._in_flight.popleft()
+        work, view, summed, whole = self._in_flight.popleft()
         work.wait()
+        self._in_flight_elements -= whole.numel()
         view.add_(summed[: view.shape[0]])  # a short last shard holds fewer rows than the chunk
 
     def publish(self, scale: float) -> None:
