@@ -10,7 +10,7 @@ with its own batch of B random sequences of T tokens; every step ends with AdamW
 
 Per arm: the median step time after ``--warmup`` (wall clock between barriers: the slowest rank's), the busiest
 rank's CPU time per timed step (steadier where other processes share the CPUs), the per-rank peak memory (peak RSS
-from ``getrusage``: the library pages it touches, the whole model as built, the steps' buffers; on CUDA max
+from ``getrusage``: the imported libraries, the whole model as built, the steps' buffers; on CUDA max
 allocated) and state bytes (parameters, gradients or the clipped-sum buffer, AdamW state, from the tensors' local
 sizes after the last step), max over ranks; the ratios dp_fsdp / non_private_fsdp step time (target ≤ 1.15) and
 CPU time, dp_fsdp / dp_ddp state (≤ 0.55) and peak memory. Writes ``results.json`` and ``table.md`` to ``--out``
@@ -22,8 +22,8 @@ CPU time, dp_fsdp / dp_ddp state (≤ 0.55) and peak memory. Writes ``results.js
 
 A rank is a fork of a forkserver that has imported :data:`PRELOAD` (:mod:`bench.fresh_process`) and nothing else: no
 tensor, no CUDA, no process group (each rank initialises its own device and group), so the ranks do not pay the
-imports (seconds each) and a rank's peak RSS is its own (bench/README.md compares it with the spawned ranks of the
-committed tables: those also counted the pages only the imports touch).
+imports (seconds each). A rank's peak RSS starts from the server's resident pages; bench/README.md compares it with
+the spawned ranks of older tables (about 80–90 MiB higher per rank at the tiny size, alike in every arm).
 """
 
 from __future__ import annotations

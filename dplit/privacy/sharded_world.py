@@ -95,7 +95,6 @@ class ShardedGradientBuffer(GradientBuffer):
         super().__init__(parameters, extra=extra)
         self._size = size
         self._in_flight: deque[tuple[dist.Work, Tensor, Tensor, Tensor]] = deque()  # (work, view, rows, whole sum)
-        self._in_flight_elements = 0  # entries of the whole sums in self._in_flight
 
     @staticmethod
     def held_shape(param: nn.Parameter) -> torch.Size:
@@ -131,8 +130,7 @@ class ShardedGradientBuffer(GradientBuffer):
         summed = view.new_empty((chunk, *param.shape[1:]))  # [chunk, ...]: this rank's chunk, summed over ranks
         work = dist.reduce_scatter_single(summed, stacked, async_op=True)
         self._in_flight.append((work, view, summed, stacked))  # the whole sum lives until the work is done
-        self._in_flight_elements += stacked.numel()
-        while len(self._in_flight) > 1 and self._in_flight_elements > IN_FLIGHT_ELEMENTS:
+        while len(self._in_flight) > 1 and sum(whole.numel() for *_, whole in self._in_flight) > IN_FLIGHT_ELEMENTS:
             self._finish_oldest()
 
     def detach(self) -> None:
@@ -145,14 +143,12 @@ class ShardedGradientBuffer(GradientBuffer):
                 self._finish_oldest()
         finally:
             self._in_flight.clear()
-            self._in_flight_elements = 0
         super().detach()
 
     def _finish_oldest(self) -> None:
         """Wait for the oldest reduce-scatter and add its rows into the buffer (a parameter's sums in their order)."""
-        work, view, summed, whole = self._in_flight.popleft()
+        work, view, summed, _ = self._in_flight.popleft()
         work.wait()
-        self._in_flight_elements -= whole.numel()
         view.add_(summed[: view.shape[0]])  # a short last shard holds fewer rows than the chunk
 
     def publish(self, scale: float) -> None:
