@@ -6,6 +6,7 @@ Each test reproduces a way the guarantee failed silently before, and shows it re
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -254,6 +255,35 @@ def test_crafted_cancelling_examples_contribute_at_most_c(engine_class) -> None:
         assert bool(torch.isfinite(stats.norms).all())
         contribution = model.proj.weight.grad.double().norm()
         assert contribution <= clip * (1 + 1e-6)
+
+
+@pytest.fixture
+def reduced_matmul_precision() -> Iterator[tuple[str, str]]:
+    """``torch.set_float32_matmul_precision("medium")`` (TF32 factors on cuBLAS, bf16 on oneDNN) during the test."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        yield matmul_precisions()
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
+def matmul_precisions() -> tuple[str, str]:
+    """The float32 matmul precision of cuBLAS and of oneDNN, as set now."""
+    return torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision
+
+
+@pytest.mark.parametrize("engine_class", [GhostEngine, PerExampleEngine])
+def test_clipped_sums_use_ieee_float32_matmuls_whatever_the_users_precision(engine_class, reduced_matmul_precision):
+    """TF32 or bf16 factors would round each contribution by ~2⁻¹¹ or 2⁻⁸ of b: far above the rounding slack."""
+    model = ReadOut(16)
+    engine = engine_class(model, max_grad_norm=1.0)
+    during: list[tuple[str, str]] = []
+    engine.register_summed_hook(lambda param: during.append(matmul_precisions()))
+    engine.accumulate(model.per_example_loss, {"x": torch.randn(3, 4, 16)})
+    assert reduced_matmul_precision == ("tf32", "bf16")
+    assert during == [("ieee", "ieee")]  # while the norms and the clipped sum were formed
+    assert matmul_precisions() == reduced_matmul_precision  # the user's setting is back
 
 
 def test_float32_norms_of_normal_examples_are_still_tight() -> None:

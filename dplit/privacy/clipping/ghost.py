@@ -51,6 +51,7 @@ from dplit.privacy.clipping.parameter_norms import (
     stacked_squared_norms,
 )
 from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall, checkpointable
+from dplit.privacy.clipping.rounding import clipping_arithmetic
 from dplit.privacy.clipping.units import Units, grouped_use, unit_sums, units_of, without_units
 
 LAYER_ADVICE = (
@@ -265,7 +266,7 @@ class GhostEngine(ClippingEngine):
         if units is not None:  # a unit of several rows is one example: its rows' positions side by side
             losses = unit_sums(losses, units)
             uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
-        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+        with clipping_arithmetic(losses.device.type):
             kept = dict(recomputed.kept)  # float64 per-example gradients formed for a norm, reused for the sum
             normed = self._squared_norms(uses, kept, room=recomputed.room)
             per_parameter = [*recomputed.squared.values(), *normed.values()]  # each [B], float64, never below the truth
@@ -296,7 +297,7 @@ class GhostEngine(ClippingEngine):
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
         losses, uses, recomputed = self._gradient_uses(loss_fn, batch, coverage, dtype, units=None)
-        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+        with clipping_arithmetic(losses.device.type):
             squared = {**recomputed.squared, **self._squared_norms(uses)}
         return {name: squared[key].sqrt() if key in squared else None for key, (name, _) in coverage.parameters.items()}
 
@@ -356,7 +357,7 @@ class GhostEngine(ClippingEngine):
         finally:
             recorder.remove_hooks()
         recorder.check_paired()
-        with torch.no_grad(), torch.autocast(losses.device.type, enabled=False):
+        with clipping_arithmetic(losses.device.type):
             return losses, _collect_uses(calls, coverage, dtype), recomputed
 
     def _forward(
@@ -411,7 +412,7 @@ class RecomputedNorms:
     def take(self, call: ModuleCall) -> None:
         """Norm what can be normed of a complete recomputed call; keep its other uses; let its tensors go."""
         assert call.activation is not None
-        with torch.no_grad(), torch.autocast(call.activation.device.type, enabled=False):
+        with clipping_arithmetic(call.activation.device.type):
             found = _call_uses(call, self._coverage, self._dtype)
             in_call = Counter(key for key, _ in found)  # a parameter held under two attributes: two uses
             for key, use in found:

@@ -14,6 +14,7 @@ from dplit.privacy.clipping.engine import (
     add_to_grad,
     trainable_parameters,
 )
+from dplit.privacy.clipping.rounding import clipping_arithmetic
 from dplit.privacy.clipping.units import unit_sums, units_of, without_units
 
 
@@ -83,13 +84,14 @@ class PerExampleEngine(ClippingEngine):
                 for name, g in per_example_grads.items()
             }
             losses = unit_sums(losses, units)
-        squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
-        norms = torch.stack(squared).sum(0).sqrt()
-        keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing
-        factors = torch.where(keep, self.factors(norms), 0.0)
-        for name, param in trainable_parameters(self._module).items():
-            g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
-            g = torch.where(keep.reshape((-1,) + (1,) * (g.dim() - 1)), g, 0.0)
-            add_to_grad(param, torch.einsum("b,b...->...", factors.to(g.dtype), g))
-            self._summed(param)
+        with clipping_arithmetic(losses.device.type):  # IEEE float32 sums, whatever the matmul precision setting
+            squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
+            norms = torch.stack(squared).sum(0).sqrt()
+            keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing
+            factors = torch.where(keep, self.factors(norms), 0.0)
+            for name, param in trainable_parameters(self._module).items():
+                g = per_example_grads[f"module.{name}"]  # [B, *param.shape]
+                g = torch.where(keep.reshape((-1,) + (1,) * (g.dim() - 1)), g, 0.0)
+                add_to_grad(param, torch.einsum("b,b...->...", factors.to(g.dtype), g))
+                self._summed(param)
         return ClipStats(losses=losses.detach(), norms=norms.detach())

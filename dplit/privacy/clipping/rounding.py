@@ -9,9 +9,18 @@ Numerical Algorithms*, §3.1: an n-term dot product has error ≤ γ_n Σ|x_k y_
 
 and the clipped sum itself, formed in the factors' dtype, is off by at most γ_{T+1} b per example, which is added
 to the norm. In normal cases both terms are far below 1e-6 of the norm; they only matter when Ŝ cancels.
+
+Both bounds assume IEEE arithmetic in the dtype at hand. ``torch.set_float32_matmul_precision("high")`` (which
+Lightning suggests on GPUs with tensor cores) lets cuBLAS round the factors of a float32 matmul to TF32 (u = 2⁻¹¹),
+and ``"medium"`` lets oneDNN round them to bf16 (u = 2⁻⁸): an error far above the slack, in every example's
+contribution. :func:`clipping_arithmetic` therefore runs the norms and the clipped sums with IEEE float32 matmuls;
+the model's own forward and backward keep the user's setting.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -27,6 +36,35 @@ def gamma(terms: int, dtype: torch.dtype) -> float:
     if nu >= 0.5:
         raise ValueError(f"an error bound for {terms} terms in {dtype} does not exist (n·u ≥ 1/2)")
     return nu / (1 - nu)
+
+
+MATMUL_BACKENDS = ("cuda", "mkldnn")
+"""The torch backends whose float32 matmuls ``torch.backends.<name>.matmul.fp32_precision`` may make inexact."""
+
+
+@contextmanager
+def clipping_arithmetic(device_type: str) -> Iterator[None]:
+    """No autograd, no autocast, and IEEE float32 matmuls: the arithmetic the rounding bounds of this module assume.
+
+    The float32 matmul precision is set to ``"ieee"`` on every backend of :data:`MATMUL_BACKENDS` inside and
+    restored on exit, exactly as it was.
+    """
+    with torch.no_grad(), torch.autocast(device_type, enabled=False), _ieee_float32_matmuls():
+        yield
+
+
+@contextmanager
+def _ieee_float32_matmuls() -> Iterator[None]:
+    """Every float32 matmul inside rounds as IEEE float32 (no TF32 or bf16 factors); the settings restored after."""
+    settings = [getattr(torch.backends, name).matmul for name in MATMUL_BACKENDS]
+    saved = [setting.fp32_precision for setting in settings]
+    for setting in settings:
+        setting.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        for setting, precision in zip(settings, saved, strict=True):
+            setting.fp32_precision = precision
 
 
 def rigorous_norm(
