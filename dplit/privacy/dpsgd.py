@@ -63,7 +63,7 @@ TARGET_QUANTILE, CLIP_LEARNING_RATE, COUNT_NOISE_SHARE = 0.5, 0.2, 1 / 20
 SumHook = Callable[["DPSGD", Tensor], None]
 """``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
 that writes to it changes what is released (only an audit's canaries, or its deliberately broken mechanisms, do)."""
-EPSILON_OVERHEAD = 0.05
+EPSILON_OVERHEAD = 0.02
 """The largest share of a run's time spent computing ε for the logs and the ledger file between its first and last
 steps (one PRV ε costs 0.1-1.5 s on a CPU core, a step on a GPU far less). The budget never waits on this: it is
 decided from the steps verified to fit, and the card's ε is always computed from the whole history."""

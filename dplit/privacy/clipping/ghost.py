@@ -267,7 +267,7 @@ class GhostEngine(ClippingEngine):
             losses = unit_sums(losses, units)
             uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
         with clipping_arithmetic(losses.device.type):
-            kept = dict(recomputed.kept)  # float64 per-example gradients formed for a norm, reused for the sum
+            kept = dict(recomputed.kept)  # per-example gradients formed for a norm, reused for the sum
             normed = self._squared_norms(uses, kept, room=recomputed.room)
             per_parameter = [*recomputed.squared.values(), *normed.values()]  # each [B], float64, never below the truth
             if per_parameter:
@@ -309,7 +309,7 @@ class GhostEngine(ClippingEngine):
         Parameters used once through a materialised gradient of one shape (biases, norm scales: most of a
         transformer's parameters by count) are normed together, a stack at a time (:func:`stacked_squared_norms`).
         With ``kept``, a weight used once whose norm is taken of its materialised per-example gradients (cheaper
-        than the Grams: T·r·c ≤ T²·(r + c)) leaves those float64 gradients there, by ``id``, up to
+        than the Grams: T·r·c ≤ T²·(r + c)) leaves those gradients (in the factors' dtype) there, by ``id``, up to
         ``room`` elements in all: its clipped sum is then Σ_i c_i G_i over them, not a second product of
         the factors.
         """
@@ -390,14 +390,14 @@ class RecomputedNorms:
     """Norms of the calls recomputed under activation checkpointing, formed as each completes in the backward pass.
 
     A recomputed call's weight used once whose norm materialises its per-example gradients (:func:`_keepable`) is
-    normed at once (the same float64 arithmetic and rounding slack as after the backward) and keeps those
+    normed at once (the same arithmetic and rounding slack as after the backward) and keeps those
     gradients for the clipped sum, so the call's input and output gradient go at once: LoRA's factors, whose
     recomputed inputs then never pile up. Its other uses (biases, norm scales, weights normed by their Grams) are
     kept as uses, for after the backward pass; a factored one still holds the input and the output gradient.
 
     Attributes:
         squared: per-example ‖G‖² [B] of the parameters normed here, by ``id``.
-        kept: their float64 per-example gradients [B, r, c], by ``id``.
+        kept: their per-example gradients [B, r, c] (in the factors' dtype), by ``id``.
         room: the per-example gradient elements still allowed (of :data:`KEPT_ELEMENTS`).
         calls_per_module: how many times each covered module ran (set after the forward).
     """
@@ -488,7 +488,7 @@ def _call_uses(call: ModuleCall, coverage: Coverage, dtype: torch.dtype) -> list
 
 
 KEPT_ELEMENTS = 2**25
-"""Most float64 per-example gradient elements kept from the norms for the clipped sums of one micro-batch (256 MB)."""
+"""Most per-example gradient elements kept from the norms for the clipped sums of one micro-batch (128 MB in float32)."""
 
 
 def _keepable(use: GradientUse, room: int) -> bool:
@@ -501,13 +501,13 @@ def _keepable(use: GradientUse, room: int) -> bool:
 
 
 def _add_kept_clipped_sum(param: nn.Parameter, gradients: Tensor, factors: Tensor, keep: Tensor | None) -> None:
-    """Add Σ_i c_i G_i to ``param.grad`` from the float64 per-example gradients G [B, r, c] the norm was taken of.
+    """Add Σ_i c_i G_i to ``param.grad`` from the per-example gradients G [B, r, c] the norm was taken of.
 
     ``keep`` [B] (when some example was dropped): its False examples are zeroed first (their G may be NaN or inf).
     """
     if keep is not None:
         gradients = torch.where(keep[:, None, None], gradients, 0.0)
-    total = torch.einsum("b,brc->rc", factors.to(gradients.dtype), gradients)  # [r, c], float64
+    total = torch.einsum("b,brc->rc", factors.to(gradients.dtype), gradients)  # [r, c]
     add_to_grad(param, total.reshape(param.shape))
 
 

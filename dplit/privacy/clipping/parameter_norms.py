@@ -30,13 +30,13 @@ from dplit.privacy.clipping.norms.factors import (
     concatenate,
     example_slice,
     inner_product,
-    materialised_squared_norm,
+    materialised_norm,
     squared_norm,
     sum_dtype,
     summed_positions,
     triangle_bound,
 )
-from dplit.privacy.clipping.rounding import rigorous_norm, unit_roundoff
+from dplit.privacy.clipping.rounding import materialised_rigorous_norm, rigorous_norm, unit_roundoff
 
 TiedNorm = Literal["exact", "bound"]
 
@@ -102,18 +102,19 @@ def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm =
 
 
 def materialised_parameter_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
-    """``parameter_squared_norm([use])`` of one use that prefers materialising, all examples in one chunk.
+    """``parameter_squared_norm([use])`` of one use that prefers materialising, all examples at once.
 
-    Also returns the float64 per-example gradients [B, r, c] it was computed from (kept for the clipped sum).
+    Also returns the per-example gradients Ĝ [B, r, c] it was computed from, formed in the factors' dtype by one
+    ``bmm`` (no float64 copy of the factors): the clipped sum is then formed from exactly what was normed, and
+    :func:`~dplit.privacy.clipping.rounding.materialised_rigorous_norm` bounds both ‖Ĝ‖ and the true ‖G‖.
     """
-    chunk = example_slice(use, 0, batch_size(use))  # float64
-    squared, gradients = materialised_squared_norm(chunk)  # what _exact_squared_norm([chunk]) computes
-    norm = rigorous_norm(
-        squared,
-        triangle_bound(chunk),
-        terms=arithmetic_terms(use),
-        positions=summed_positions(use),
-        sum_dtype=sum_dtype(use),
+    computed, gradients = materialised_norm(use)  # [B] float64, [B, r, c] in the factors' dtype
+    norm = materialised_rigorous_norm(
+        computed,
+        triangle_bound(use),
+        entries=use.left.width * use.right.width,
+        positions=use.positions,
+        dtype=sum_dtype(use),
     )
     return norm.square(), gradients
 

@@ -82,3 +82,27 @@ def rigorous_norm(
     slack = 8 * gamma(terms + 1, torch.float64) * bound.square()  # the Grams, products and sums of Ŝ
     exact = (squared.clamp(min=0) + slack).sqrt()
     return exact + 2 * gamma(positions + 1, sum_dtype) * bound  # the rounding of Σ_t c u_t v_tᵀ
+
+
+def materialised_rigorous_norm(
+    computed: torch.Tensor, bound: torch.Tensor, *, entries: int, positions: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A norm ≥ both the true ‖G‖ and the norm of the clipped sum formed from Ĝ, per example [B] (float64).
+
+    For per-example gradients Ĝ = Σ_t u_t v_tᵀ formed in ``dtype`` (one matmul whose entries are ``positions``-term
+    dot products) and kept, so that the clipped sum is Σ_i c_i Ĝ_i of exactly what was normed:
+
+        ‖Ĝ‖ ≤ n̂ (1 + 2γ_{entries+2}),    ‖G − Ĝ‖ ≤ γ_T b  (entry by entry, then the triangle inequality over t),
+
+    with n̂ the float64 norm of Ĝ as computed; forming c Ĝ and adding it to the sum adds at most 2γ₂ of it, as for
+    any materialised use in :func:`rigorous_norm`.
+
+    Args:
+        computed: n̂, the float64 norm of Ĝ as computed [B].
+        bound: b, the triangle-inequality bound Σ_t ‖u_t‖‖v_t‖, float64 [B].
+        entries: the entries of one example's Ĝ (r·c: the float64 sum of squares).
+        positions: T, the terms of each entry's dot product.
+        dtype: the dtype Ĝ was formed in (and the clipped sum is formed in).
+    """
+    normed = computed * (1 + 2 * gamma(entries + 2, torch.float64))
+    return normed + (gamma(positions, dtype) + 2 * gamma(2, dtype)) * bound

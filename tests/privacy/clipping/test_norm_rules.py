@@ -211,11 +211,20 @@ def test_stacked_squared_norms_equal_each_parameter_own(shape: tuple[int, ...]) 
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(4, 5), (5, 4)])
-def test_materialised_norm_keeps_the_gradients_it_was_taken_of(rows: int, cols: int) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, DOUBLE])
+def test_materialised_norm_keeps_the_gradients_it_was_taken_of(rows: int, cols: int, dtype: torch.dtype) -> None:
     torch.manual_seed(4)
-    use = FactoredGradient(random_factor("dense", 3, 30, rows), random_factor("dense", 3, 30, cols))
+    exact = FactoredGradient(random_factor("dense", 3, 30, rows), random_factor("dense", 3, 30, cols))
+    use = FactoredGradient(DenseFactor(exact.left.values.to(dtype)), DenseFactor(exact.right.values.to(dtype)))
     assert prefers_materialising(use)
     squared, gradients = materialised_parameter_squared_norm(use)
-    assert torch.equal(squared, parameter_squared_norm([use]))  # the same arithmetic as without keeping them
-    assert gradients.shape == (3, rows, cols) and gradients.dtype == DOUBLE  # in the parameter's layout
-    assert close(gradients, materialise(use))
+    assert gradients.shape == (3, rows, cols) and gradients.dtype == dtype  # in the parameter's layout and dtype
+    truth = materialise(FactoredGradient(DenseFactor(use.left.values.double()), DenseFactor(use.right.values.double())))
+    assert torch.allclose(gradients.double(), truth, rtol=1e-5, atol=1e-5)
+    true_squared = truth.flatten(1).pow(2).sum(1)
+    assert (squared >= true_squared).all()  # never below the true norm of these factors ...
+    assert (squared >= gradients.double().flatten(1).pow(2).sum(1)).all()  # ... nor below what the sum is formed of
+    assert (squared <= true_squared * (1 + 1e-4)).all()  # and tight
+    if dtype == DOUBLE:
+        assert close(gradients, materialise(use))
+        assert close(squared, parameter_squared_norm([use]))  # as the float64 route without keeping them

@@ -141,9 +141,18 @@ def materialised_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
     G is returned in the parameter's [r, c] layout (a transposed view when it was formed as Gᵀ, see
     :func:`_materialised_dense`), so that a caller can keep it, e.g. to form the clipped sum from it.
     """
+    norms, product = materialised_norm(use)
+    return norms.square(), product
+
+
+def materialised_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
+    """(‖G_i‖ [B] in float64, the per-example gradients G [B, r, c] in the factors' dtype): one ``bmm``.
+
+    The norm of each G_i, as formed, is computed in float64 (no float64 copy of G or of the factors).
+    """
     product = _materialised_dense(use)
-    squared = product.flatten(1).pow(2).sum(1)  # [B, r, c] (or its transpose) -> [B]
-    return squared, product if use.left.width <= use.right.width else product.transpose(1, 2)
+    norms = torch.linalg.vector_norm(product.flatten(1), dim=1, dtype=torch.float64)  # [B, r, c] (or Gᵀ) -> [B]
+    return norms, product if use.left.width <= use.right.width else product.transpose(1, 2)
 
 
 def _materialised_dense(use: FactoredGradient) -> Tensor:
@@ -253,11 +262,11 @@ def without_examples(use: GradientUse, keep: Tensor) -> GradientUse:
 def triangle_bound(use: GradientUse) -> Tensor:
     """Per-example Σ_t ‖u_t‖‖v_t‖ [B] in float64: ≥ ‖G‖ in exact arithmetic, with no cancellation."""
     if isinstance(use, ExampleGradient):
-        return use.values.double().flatten(1).norm(dim=1)  # [B, *shape] -> [B]
+        return torch.linalg.vector_norm(use.values.flatten(1), dim=1, dtype=torch.float64)  # [B, *shape] -> [B]
 
     def lengths(factor: Factor) -> Tensor:
         if isinstance(factor, DenseFactor):
-            return factor.values.double().norm(dim=-1)  # [B, T, n] -> [B, T]
+            return torch.linalg.vector_norm(factor.values, dim=-1, dtype=torch.float64)  # [B, T, n] -> [B, T]
         return torch.ones(factor.indices.shape, dtype=torch.float64, device=factor.indices.device)  # one-hot rows
 
     return (lengths(use.left) * lengths(use.right)).sum(1)  # [B, T] -> [B]
