@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dplit.privacy.clipping.rounding import gamma
+
 
 @dataclass(frozen=True)
 class DenseFactor:
@@ -265,11 +267,15 @@ def triangle_bound(use: GradientUse) -> Tensor:
         return torch.linalg.vector_norm(use.values.flatten(1), dim=1, dtype=torch.float64)  # [B, *shape] -> [B]
 
     def lengths(factor: Factor) -> Tensor:
+        """‖u_t‖ [B, T] in float64, never below the truth: formed in the factor's dtype (no float64 copy of it)."""
         if isinstance(factor, DenseFactor):
-            return torch.linalg.vector_norm(factor.values, dim=-1, dtype=torch.float64)  # [B, T, n] -> [B, T]
+            values = factor.values.to(torch.promote_types(factor.values.dtype, torch.float32))  # bf16: in float32
+            computed = torch.linalg.vector_norm(values, dim=-1).double()  # [B, T, n] -> [B, T]
+            return computed / (1 - gamma(factor.width + 1, values.dtype))  # n squares summed, one root
         return torch.ones(factor.indices.shape, dtype=torch.float64, device=factor.indices.device)  # one-hot rows
 
-    return (lengths(use.left) * lengths(use.right)).sum(1)  # [B, T] -> [B]
+    summed = (lengths(use.left) * lengths(use.right)).sum(1)  # [B, T] -> [B]
+    return summed / (1 - gamma(use.positions + 1, torch.float64))  # T products summed
 
 
 def arithmetic_terms(use: GradientUse) -> int:
