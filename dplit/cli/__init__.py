@@ -5,5 +5,6 @@
 * :mod:`~dplit.cli.messages`: jsonargparse's parse errors rewritten as the one line that states the broken rule.
 * :mod:`~dplit.cli.config_checks`: what is refused in a config before Lightning runs it.
 * :mod:`~dplit.cli.run_summary`: where a run keeps its checkpoints, the line it prints when it ends.
-* :mod:`~dplit.cli.launch`: torch.distributed launch variables inherited from a parent process, dropped.
+* :mod:`~dplit.cli.launch`: torch.distributed launch variables inherited from a parent process, dropped; the
+  process group a command started, destroyed when it ends.
 """

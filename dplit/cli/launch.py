@@ -1,8 +1,10 @@
-"""torch.distributed launch variables: trusted from a launcher, dropped when inherited from a parent process."""
+"""torch.distributed around one command: launch variables trusted or dropped; the group it started, destroyed."""
 
 from __future__ import annotations
 
 import os
+
+import torch.distributed as dist
 
 LAUNCH_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
@@ -44,3 +46,19 @@ def inherited_message(names: list[str]) -> str:
         f"ignoring {', '.join(names)}: inherited from the process that started dplit, not set by a launcher "
         "(torchrun, SLURM, MPI, LSF); set DPLIT_LAUNCHED=1 if you start the ranks of a multi-process run yourself"
     )
+
+
+def process_group_initialized() -> bool:
+    """Whether a default torch.distributed process group exists in this process now."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def destroy_process_group_started(*, initialized_before: bool) -> None:
+    """Destroy the default process group if this command started it (``initialized_before`` is False).
+
+    Released in Python, before the interpreter shuts down, rather than left to an ``atexit`` handler: torch asks
+    for an explicit ``destroy_process_group``, and a group torn down during interpreter shutdown may abort in its
+    C++ destructors. A group the caller had before (an in-process call) is left as it was.
+    """
+    if not initialized_before and process_group_initialized():
+        dist.destroy_process_group()

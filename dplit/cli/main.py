@@ -17,7 +17,12 @@ from functools import partial
 from lightning.pytorch.cli import ArgsType
 
 from dplit.audit.command import audit_main
-from dplit.cli.launch import drop_inherited_launch_variables, inherited_message
+from dplit.cli.launch import (
+    destroy_process_group_started,
+    drop_inherited_launch_variables,
+    inherited_message,
+    process_group_initialized,
+)
 from dplit.cli.lightning_cli import run_cli, run_lm_cli
 from dplit.release.commands import export_main, generate_main
 from dplit.terminal import dependency_refusal, front_door, terminal_output
@@ -72,6 +77,7 @@ def main(args: ArgsType = None) -> None:
     if status is not None:
         raise SystemExit(status)
     command, arguments = split_command(argv)
+    group_before = process_group_initialized()
     try:
         with terminal_output(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")  # we pass argv on
@@ -82,6 +88,8 @@ def main(args: ArgsType = None) -> None:
             raise
         print(f"dplit: error: {message}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        destroy_process_group_started(initialized_before=group_before)
 
 
 def split_command(argv: list[str]) -> tuple[str, list[str]]:
