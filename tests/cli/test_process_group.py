@@ -52,3 +52,23 @@ def test_every_command_destroys_the_group_it_started(tmp_path: Path, monkeypatch
     else:
         cli_main.main(["fit"])
     assert not dist.is_initialized()
+
+
+@pytest.mark.usefixtures("no_group_left")
+def test_a_group_the_caller_had_before_the_command_is_kept(tmp_path: Path, monkeypatch) -> None:
+    start_one_process_group(tmp_path)
+    monkeypatch.setitem(cli_main.RUNNERS, "fit", lambda arguments: None)
+    cli_main.main(["fit"])
+    assert dist.is_initialized()
+
+
+@pytest.mark.usefixtures("no_group_left")
+def test_a_group_that_cannot_be_destroyed_is_one_warning_not_the_commands_outcome(tmp_path: Path, monkeypatch, capsys):
+    start_one_process_group(tmp_path)
+
+    def peer_gone() -> None:
+        raise RuntimeError("connection reset by peer")
+
+    monkeypatch.setattr(dist, "destroy_process_group", peer_gone)
+    destroy_process_group_started(initialized_before=False)
+    assert capsys.readouterr().err == "dplit: warning: the process group was not destroyed cleanly (RuntimeError)\n"

@@ -14,7 +14,7 @@ from dplit.privacy.clipping.engine import (
     add_to_grad,
     trainable_parameters,
 )
-from dplit.privacy.clipping.rounding import clipping_arithmetic
+from dplit.privacy.clipping.rounding import clipping_arithmetic, kept_gradient_norm, unit_roundoff
 from dplit.privacy.clipping.units import unit_sums, units_of, without_units
 
 
@@ -86,7 +86,11 @@ class PerExampleEngine(ClippingEngine):
             losses = unit_sums(losses, units)
         with clipping_arithmetic(losses.device.type):  # IEEE float32 sums, whatever the matmul precision setting
             squared = [g.double().flatten(1).pow(2).sum(1) for g in per_example_grads.values()]  # each [B], float64
-            norms = torch.stack(squared).sum(0).sqrt()
+            norms = kept_gradient_norm(  # ≥ ‖c g‖ / c as the sum below forms it
+                torch.stack(squared).sum(0).sqrt(),
+                entries=sum(g[0].numel() for g in per_example_grads.values()),
+                dtype=max((g.dtype for g in per_example_grads.values()), key=unit_roundoff),
+            )
             keep = torch.isfinite(norms)  # a non-finite gradient: the example contributes nothing
             factors = torch.where(keep, self.factors(norms), 0.0)
             for name, param in trainable_parameters(self._module).items():

@@ -12,6 +12,7 @@ of the two factor Grams, summed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -271,7 +272,8 @@ def triangle_bound(use: GradientUse) -> Tensor:
         if isinstance(factor, DenseFactor):
             values = factor.values.to(torch.promote_types(factor.values.dtype, torch.float32))  # bf16: in float32
             computed = torch.linalg.vector_norm(values, dim=-1).double()  # [B, T, n] -> [B, T]
-            return computed / (1 - gamma(factor.width + 1, values.dtype))  # n squares summed, one root
+            underflow = math.sqrt(factor.width * torch.finfo(values.dtype).tiny)  # squares below `tiny` are lost
+            return computed / (1 - gamma(factor.width + 1, values.dtype)) + underflow  # n squares summed, one root
         return torch.ones(factor.indices.shape, dtype=torch.float64, device=factor.indices.device)  # one-hot rows
 
     summed = (lengths(use.left) * lengths(use.right)).sum(1)  # [B, T] -> [B]
