@@ -28,7 +28,8 @@ from typing_extensions import override
 from dplit.audit.canaries import noiseless_scores
 from dplit.privacy.accounting import default_delta
 from dplit.privacy.ledger import CHECKPOINT_KEY
-from dplit.privacy.sampling import PoissonBatchSampler, derive_seed
+from dplit.privacy.sampling import PoissonBatchSampler
+from dplit.privacy.seeds import SEED_BITS, derive_seed, seeded_generator
 from dplit.strategy import DPStrategy
 from tests.helpers import brute_force
 from tests.helpers.ddp_worker import BATCH_SIZE, TRAIN_SIZE, IndexedTokenData, build_model, collate
@@ -359,7 +360,7 @@ def test_union_of_the_shards_is_a_poisson_sample_at_the_global_rate() -> None:
 
 def test_sampler_accepts_any_64_bit_seed() -> None:
     seed = torch.initial_seed() | (1 << 63)  # torch's default seeds are 64-bit
-    assert 0 <= derive_seed(seed, 1) < 2**63
+    assert 0 <= derive_seed(seed, 1) < 2**SEED_BITS
     batches = list(PoissonBatchSampler(dataset_size=10, sample_rate=0.5, steps=2, num_replicas=2, rank=1, seed=seed))
     assert all(i % 2 == 1 for batch in batches for i in batch)
 
@@ -375,7 +376,7 @@ def test_audit_canaries_are_added_once_and_scored_alike_on_every_rank(runs: Call
     coordinates, included = canaries["coordinates"], canaries["included"]
     assert all(torch.equal(rank["canaries"]["scores"], canaries["scores"]) for rank in canary_ranks)
     assert canary_ranks[0]["batches"][0] == plain[0]["batches"][0]  # same seeds, same first Poisson batch
-    generator = torch.Generator().manual_seed(derive_seed(0, "canaries", 0))
+    generator = seeded_generator(derive_seed(0, "canaries", 0), device=torch.device("cpu"))
     sampled = (torch.rand(40, generator=generator, dtype=torch.float64) < Q) & included
     assert 0 < int(sampled.sum()) < int(included.sum())
     for rank in (0, 1):  # step 1: same weights, same batch; the published gradients differ by the canaries only

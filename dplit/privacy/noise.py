@@ -2,7 +2,8 @@
 
 The Gaussian noise and the Poisson batch membership are what hide each example; anyone who can regenerate
 them can subtract them. So by default every generator is seeded with fresh bits from ``secrets`` (the OS
-CSPRNG), independent of ``seed_everything`` and never stored, logged or checkpointed: the noise generator is
+CSPRNG; 256 bits, every one of which starts the generator: :mod:`dplit.privacy.seeds`), independent of
+``seed_everything`` and never stored, logged or checkpointed: the noise generator is
 reseeded every step, so no two steps (and no resumed run) share a stream, and recovering one step's generator
 state reveals nothing about another's. An explicit seed makes both streams reproducible for tests and
 debugging, and therefore predictable by anyone who knows it: such a run must not be released.
@@ -15,7 +16,7 @@ import warnings
 
 import torch
 
-from dplit.privacy.sampling import derive_seed
+from dplit.privacy.seeds import SEED_BITS, derive_seed, seeded_generator
 from dplit.privacy.warnings import PrivacyWarning
 
 PREDICTABLE_WARNING = (
@@ -48,11 +49,11 @@ class NoiseSource:
         return "os_entropy" if self.secure else "explicit_seed (predictable: not private, do not release)"
 
     def seed(self, stream: str, *, steps: int) -> int:
-        """A seed in [0, 2⁶³) for ``stream`` after ``steps`` DP steps: fresh entropy, or (seed, stream, steps)."""
+        """A seed of 256 bits for ``stream`` after ``steps`` DP steps: fresh entropy, or from (seed, stream, steps)."""
         if self._seed is None:
-            return secrets.randbits(63)
+            return secrets.randbits(SEED_BITS)
         return derive_seed(self._seed, stream, steps)
 
     def generator(self, stream: str, *, steps: int, device: torch.device) -> torch.Generator:
-        """A generator on ``device`` seeded by :meth:`seed`."""
-        return torch.Generator(device=device).manual_seed(self.seed(stream, steps=steps))
+        """A generator on ``device`` seeded by :meth:`seed`, every bit of it (see :mod:`dplit.privacy.seeds`)."""
+        return seeded_generator(self.seed(stream, steps=steps), device=device)

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-
-def derive_seed(*parts: int | str) -> int:
-    """A seed in [0, 2⁶³) determined by ``parts``: distinct parts give unrelated generator streams."""
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
+from dplit.privacy.seeds import derive_seed, seeded_generator
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
@@ -52,7 +47,7 @@ class PoissonBatchSampler(Sampler[list[int]]):
         self._shard = torch.arange(rank, dataset_size, num_replicas)
         self._sample_rate = sample_rate
         self._steps = steps
-        self._generator = torch.Generator().manual_seed(derive_seed(seed, rank))
+        self._generator = seeded_generator(derive_seed(seed, rank), device=torch.device("cpu"))
 
     def __len__(self) -> int:
         return self._steps

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dplit.privacy.sampling import derive_seed, with_batch_sampler
+from dplit.privacy.sampling import with_batch_sampler
+from dplit.privacy.seeds import derive_seed, seeded_generator
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ class UserPoissonBatchSampler(Sampler[list[int]]):
         self._sample_rate = sample_rate
         self._max_rows = max_rows_per_user
         self._steps = steps
-        self._generator = torch.Generator().manual_seed(derive_seed(seed, "users", rank))
+        self._generator = seeded_generator(derive_seed(seed, "users", rank), device=torch.device("cpu"))
 
     def __len__(self) -> int:
         return self._steps
