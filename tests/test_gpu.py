@@ -237,3 +237,13 @@ def test_memory_monitor_logs_cuda_peak_memory(gpu_run: GpuRun) -> None:
     assert logged > parameters_mb > 0  # CUDA memory holds at least the weights
     # the monitor's value is CUDA max allocated at the last step's end (the probe reads it right after), not RSS
     assert logged == pytest.approx(gpu_run.probe.max_allocated_mb[-1], rel=1e-2)
+
+
+def test_a_cuda_generator_takes_the_seeds_high_bits_too() -> None:
+    """Philox: the seed hashed into its 64-bit key and its counter offset, so a difference in any bit shows."""
+    from dplit.privacy.seeds import seeded_generator
+
+    device = torch.device("cuda")
+    draws = [torch.rand(8, device=device, generator=seeded_generator(7 + extra, device=device)) for extra in (0, 1 << 200)]
+    again = torch.rand(8, device=device, generator=seeded_generator(7, device=device))
+    assert not torch.equal(draws[0], draws[1]) and torch.equal(draws[0], again)
