@@ -134,24 +134,16 @@ def squared_norm(use: GradientUse) -> Tensor:
     if isinstance(use, ExampleGradient):
         return use.values.flatten(1).pow(2).sum(1)  # [B, *shape] -> [B]
     if prefers_materialising(use):
-        return materialised_squared_norm(use)[0]
+        return materialised_norm(use)[0].square()
     return inner_product(use, use)
-
-
-def materialised_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
-    """(‖G_i‖² [B], the per-example gradients G [B, r, c]) of a use of two dense factors, formed by one ``bmm``.
-
-    G is returned in the parameter's [r, c] layout (a transposed view when it was formed as Gᵀ, see
-    :func:`_materialised_dense`), so that a caller can keep it, e.g. to form the clipped sum from it.
-    """
-    norms, product = materialised_norm(use)
-    return norms.square(), product
 
 
 def materialised_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:
     """(‖G_i‖ [B] in float64, the per-example gradients G [B, r, c] in the factors' dtype): one ``bmm``.
 
-    The norm of each G_i, as formed, is computed in float64 (no float64 copy of G or of the factors).
+    The norm of each G_i, as formed, is computed in float64 (no float64 copy of G or of the factors). G is returned
+    in the parameter's [r, c] layout (a transposed view when it was formed as Gᵀ, see :func:`_materialised_dense`),
+    so that a caller can keep it, e.g. to form the clipped sum from it.
     """
     product = _materialised_dense(use)
     norms = torch.linalg.vector_norm(product.flatten(1), dim=1, dtype=torch.float64)  # [B, r, c] (or Gᵀ) -> [B]
