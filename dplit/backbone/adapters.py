@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum
+from types import ModuleType
 from typing import Any
 
 from torch import nn
@@ -19,16 +22,48 @@ from transformers import PreTrainedModel
 
 from dplit.backbone.embeddings import embedding_pair, is_tied
 
-try:
-    from peft import PeftConfig
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    AdapterConfig = PeftConfig
-except ImportError:  # dplit runs without peft; a model.peft value is then refused naming the package
-    PeftConfig = BaseTunerLayer = None
-    AdapterConfig = dict[str, Any]  # type: ignore[misc]
-
 MISSING_PEFT = "model.peft needs the 'peft' package, which is not installed: pip install peft"
+
+
+class AdapterConfig(ABC):
+    """``model.peft``'s type: any peft config class (``peft.PeftConfig`` and its subclasses, e.g. ``peft.LoraConfig``).
+
+    ``issubclass(peft.LoraConfig, AdapterConfig)`` holds without dplit importing peft: such a class exists only once
+    peft is imported, and the check then defers to ``peft.PeftConfig``. So a run without ``model.peft`` never imports
+    peft, nor the ``bitsandbytes`` package peft imports when it is installed (≈ 1.6 s of every ``dplit`` start on a
+    CPU). Short class names (``class_path: LoraConfig``) and ``--help`` list peft's configs, importing peft then.
+    """
+
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """The config's fields (what dplit reads of a peft config; abstract, so this type itself is never built)."""
+
+    @classmethod
+    def __subclasshook__(cls, subclass: type) -> bool:
+        """Whether ``subclass`` is a peft config class: a subclass of ``peft.PeftConfig`` once peft is imported."""
+        peft_config = getattr(sys.modules.get("peft.config"), "PeftConfig", None)
+        return isinstance(peft_config, type) and issubclass(subclass, peft_config)
+
+    @classmethod
+    def __subclasses__(cls) -> list[type]:  # type: ignore[override]
+        """``[peft.PeftConfig]``, importing peft (``[]`` without it): jsonargparse walks these for names and help."""
+        try:
+            return [imported_peft().PeftConfig]
+        except ValueError:
+            return []
+
+
+def imported_peft() -> ModuleType:
+    """The ``peft`` module, imported now if it was not.
+
+    Raises:
+        ValueError: :data:`MISSING_PEFT` when peft cannot be imported.
+    """
+    try:
+        import peft
+    except ImportError as error:  # dplit runs without peft; a model.peft value is then refused naming the package
+        raise ValueError(MISSING_PEFT) from error
+    return peft
 
 
 @dataclass(frozen=True)
@@ -192,11 +227,10 @@ def adapter_config(config: Any) -> Any:
     Raises:
         ValueError: naming ``model.peft`` when peft is missing, or the value is not a peft adapter config.
     """
-    if PeftConfig is None:
-        raise ValueError(MISSING_PEFT)
+    peft_config = imported_peft().PeftConfig
     if isinstance(config, dict) and isinstance(config.get("class_path"), str):
         config = _built(config["class_path"], config.get("init_args") or {})
-    if not isinstance(config, PeftConfig):
+    if not isinstance(config, peft_config):
         raise ValueError(f"model.peft must be a peft config such as peft.LoraConfig, got {type(config).__name__}")
     if config.is_prompt_learning:
         raise ValueError(
@@ -215,7 +249,7 @@ def _built(class_path: str, init_args: dict[str, Any]) -> Any:
         )
     except ImportError:
         kind = None
-    if not (isinstance(kind, type) and issubclass(kind, PeftConfig)):
+    if not (isinstance(kind, type) and issubclass(kind, imported_peft().PeftConfig)):
         raise ValueError(f"model.peft: class_path {class_path!r} is not a peft config class such as peft.LoraConfig")
     return kind(**init_args)
 
@@ -238,12 +272,16 @@ def trainable_counts(module: nn.Module, model: PreTrainedModel) -> TrainableCoun
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters peft added to ``model``: those of its tuner layers, outside their frozen ``base_layer``."""
-    if BaseTunerLayer is None:
+    """The parameters peft added to ``model``: those of its tuner layers, outside their frozen ``base_layer``.
+
+    Without peft imported no module can be a tuner layer (its class is peft's), so peft is not imported to find none.
+    """
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if tuners is None:
         return []
     found = []
     for module in model.modules():
-        if isinstance(module, BaseTunerLayer):
+        if isinstance(module, tuners.BaseTunerLayer):
             base = {id(p) for p in module.get_base_layer().parameters()}
             found += [p for p in module.parameters() if id(p) not in base]
     return found

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from dplit.backbone.adapters import MISSING_PEFT
+
 _PRIVACY_NUMBERS = {
     "max_grad_norm": "a finite number > 0",
     "noise_multiplier": "a finite number ≥ 0",
@@ -48,9 +50,11 @@ def _union_error(key: str, message: str) -> str:
 
     A value of none of the union's types reads ``key='maybe': expected true or false or an integer``.
     """
+    if "No module named 'peft'" in message:  # model.peft names a peft class, and peft is not installed
+        return MISSING_PEFT
     reasons = _reasons(message.split("Errors:", 1)[1])
     reasons = [reason for reason in reasons if not reason.startswith("Expected a <class 'NoneType'>")]
-    hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "PeftConfig" in message else ""
+    hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "AdapterConfig" in message else ""
     value = _VALUE.search(message)
     if value is not None and reasons and all(reason.startswith("Expected a ") for reason in reasons):
         expected = " or ".join(_expected(reason.removeprefix("Expected a ")) for reason in reasons)

@@ -7,19 +7,23 @@ end to end: the adapters get exactly the clipped noisy update, the frozen base w
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import pytest
 import torch
+from jsonargparse import ArgumentError, ArgumentParser
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import Logger
 from peft import IA3Config, LoraConfig
 from torch import Tensor
 
-from dplit.backbone.adapters import adapter_parameters, trainable_counts
+from dplit.backbone.adapters import AdapterConfig, adapter_parameters, trainable_counts
 from dplit.backbone.embeddings import EmbeddingPolicy, TiedEmbeddings, UntiedEmbeddings, embedding_pair, is_tied
 from dplit.privacy.clipping import PerExampleEngine
 from dplit.privacy.clipping.ghost import GhostEngine
@@ -341,3 +345,32 @@ def test_modules_to_save_on_the_lm_head_trains_its_copy_beside_trained_embedding
     head = model.backbone.lm_head
     assert head.modules_to_save["default"].weight.requires_grad and not head.original_module.weight.requires_grad
     check(model, model.per_example_loss, padded_batch([5, 1, 9, 3], "right"), clip=0.5, side="right")
+
+
+def test_model_peft_takes_exactly_peft_configs_by_class_path_or_short_name() -> None:
+    assert issubclass(LoraConfig, AdapterConfig) and isinstance(IA3Config(), AdapterConfig)
+    assert not issubclass(torch.nn.Linear, AdapterConfig) and not isinstance({"r": 4}, AdapterConfig)
+    with pytest.raises(TypeError, match="abstract"):
+        AdapterConfig()  # the type itself is never a config
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--peft", type=Optional[AdapterConfig])  # noqa: UP045 (as a LightningModule declares it)
+    for class_path in ("peft.LoraConfig", "LoraConfig"):  # jsonargparse resolves the short name among peft's configs
+        given = parser.parse_args(["--peft", json.dumps({"class_path": class_path, "init_args": {"r": 3}})])
+        built = parser.instantiate_classes(given).peft
+        assert type(built) is LoraConfig and built.r == 3
+    with pytest.raises(ArgumentError, match="does not correspond to a subclass of AdapterConfig"):
+        parser.parse_args(["--peft", json.dumps({"class_path": "torch.nn.Linear", "init_args": {"in_features": 2}})])
+
+
+@pytest.mark.slow
+def test_dplit_without_model_peft_never_imports_peft() -> None:
+    """A start that builds the CLI and looks for adapters imports neither peft nor the bitsandbytes it would import."""
+    script = (
+        "import sys, torch\n"
+        "import dplit.cli.main\n"
+        "from dplit.backbone.adapters import adapter_parameters\n"
+        "assert adapter_parameters(torch.nn.Linear(2, 2)) == []\n"
+        "print(sorted(name for name in ('peft', 'bitsandbytes') if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]

@@ -139,14 +139,32 @@ REWRITES = [
             "\n"
             '  - Expected a path but {"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}} either not accessible or invalid\n'
             "  - Does not validate against any of the Union subtypes\n"
-            "  Subtypes: [<class 'peft.config.PeftConfig'>, <class 'NoneType'>]\n"
+            "  Subtypes: [<class 'dplit.backbone.adapters.AdapterConfig'>, <class 'NoneType'>]\n"
             "  Errors:\n"
-            "    - Import path torch.nn.Linear does not correspond to a subclass of PeftConfig\n"
+            "    - Import path torch.nn.Linear does not correspond to a subclass of AdapterConfig\n"
             "    - Expected a <class 'NoneType'>\n"
             "  Given value type: <class 'dict'>\n"
             "  Given value: {'class_path': 'torch.nn.Linear', 'init_args': {'in_features': 2, 'out_features': 2}}"
         ),
-        "model.peft: Import path torch.nn.Linear does not correspond to a subclass of PeftConfig (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})",
+        "model.peft: Import path torch.nn.Linear does not correspond to a subclass of AdapterConfig (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})",
+    ),
+    Rewrite(
+        "peft-not-installed",
+        '--model.peft \'{"class_path": "peft.LoraConfig", ...}\' where peft cannot be imported',
+        (
+            'Parser key "model.peft":\n'
+            "\n"
+            '  - Expected a path but {"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"]}} either not accessible or invalid\n'
+            "  - Does not validate against any of the Union subtypes\n"
+            "  Subtypes: [<class 'dplit.backbone.adapters.AdapterConfig'>, <class 'NoneType'>]\n"
+            "  Errors:\n"
+            "    - Problem with given class_path 'peft.LoraConfig':\n"
+            "        No module named 'peft'\n"
+            "    - Expected a <class 'NoneType'>\n"
+            "  Given value type: <class 'dict'>\n"
+            "  Given value: {'class_path': 'peft.LoraConfig', 'init_args': {'r': 4, 'target_modules': ['c_attn']}}"
+        ),
+        "model.peft needs the 'peft' package, which is not installed: pip install peft",
     ),
     Rewrite(
         "max-epochs-text",
