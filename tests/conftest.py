@@ -80,7 +80,7 @@ def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the files with the most ``slow`` tests first, each file's tests in their own order.
 
-    Under the README's ``-n auto --dist loadfile --no-loadscope-reorder`` each worker takes whole files in this order:
+    Under pyproject's ``-n auto --dist loadfile --no-loadscope-reorder`` each worker takes whole files in this order:
     the long files then start early and the many short ones fill the end, instead of the slowest files running alone
     while the other worker idles (xdist's own order, most tests first, put the few-but-long multi-process and real-model
     files last). Without xdist only the order of the files changes.

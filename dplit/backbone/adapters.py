@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-from abc import ABC, abstractmethod
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, fields
 from enum import Enum
 from types import ModuleType
@@ -25,13 +25,14 @@ from dplit.backbone.embeddings import embedding_pair, is_tied
 MISSING_PEFT = "model.peft needs the 'peft' package, which is not installed: pip install peft"
 
 
-class AdapterConfig(ABC):
+class AdapterConfig(metaclass=ABCMeta):
     """``model.peft``'s type: any peft config class (``peft.PeftConfig`` and its subclasses, e.g. ``peft.LoraConfig``).
 
     ``issubclass(peft.LoraConfig, AdapterConfig)`` holds without dplit importing peft: such a class exists only once
     peft is imported, and the check then defers to ``peft.PeftConfig``. So a run without ``model.peft`` never imports
     peft, nor the ``bitsandbytes`` package peft imports when it is installed (≈ 1.6 s of every ``dplit`` start on a
     CPU). Short class names (``class_path: LoraConfig``) and ``--help`` list peft's configs, importing peft then.
+    (``ABCMeta`` without ``abc.ABC`` as a base: ``issubclass(peft.LoraConfig, abc.ABC)`` stays false.)
     """
 
     @abstractmethod
@@ -40,7 +41,9 @@ class AdapterConfig(ABC):
 
     @classmethod
     def __subclasshook__(cls, subclass: type) -> bool:
-        """Whether ``subclass`` is a peft config class: a subclass of ``peft.PeftConfig`` once peft is imported."""
+        """Whether ``subclass`` is this type or a peft config class (of ``peft.PeftConfig``, once peft is imported)."""
+        if cls in getattr(subclass, "__mro__", ()):
+            return True
         peft_config = getattr(sys.modules.get("peft.config"), "PeftConfig", None)
         return isinstance(peft_config, type) and issubclass(subclass, peft_config)
 
@@ -51,6 +54,15 @@ class AdapterConfig(ABC):
             return [imported_peft().PeftConfig]
         except ValueError:
             return []
+
+
+def peft_importable() -> bool:
+    """Whether ``import peft`` succeeds here (it is imported if so)."""
+    try:
+        imported_peft()
+    except ValueError:
+        return False
+    return True
 
 
 def imported_peft() -> ModuleType:
@@ -276,12 +288,13 @@ def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
 
     Without peft imported no module can be a tuner layer (its class is peft's), so peft is not imported to find none.
     """
-    tuners = sys.modules.get("peft.tuners.tuners_utils")
-    if tuners is None:
+    if "peft" not in sys.modules:
         return []
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     found = []
     for module in model.modules():
-        if isinstance(module, tuners.BaseTunerLayer):
+        if isinstance(module, BaseTunerLayer):
             base = {id(p) for p in module.get_base_layer().parameters()}
             found += [p for p in module.parameters() if id(p) not in base]
     return found

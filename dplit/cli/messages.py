@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from dplit.backbone.adapters import MISSING_PEFT
+from dplit.backbone.adapters import MISSING_PEFT, peft_importable
 
 _PRIVACY_NUMBERS = {
     "max_grad_norm": "a finite number > 0",
@@ -50,13 +50,16 @@ def _union_error(key: str, message: str) -> str:
 
     A value of none of the union's types reads ``key='maybe': expected true or false or an integer``.
     """
-    if "No module named 'peft'" in message:  # model.peft names a peft class, and peft is not installed
+    peft_type = "AdapterConfig" in message  # model.peft's type: a value that is no peft config, or no peft at all
+    if "No module named 'peft'" in message or (peft_type and not peft_importable()):
         return MISSING_PEFT
+    message = message.replace("subclass of AdapterConfig", "peft config class")
     reasons = _reasons(message.split("Errors:", 1)[1])
     reasons = [reason for reason in reasons if not reason.startswith("Expected a <class 'NoneType'>")]
-    hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "AdapterConfig" in message else ""
+    hint = f" ({key} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if peft_type else ""
     value = _VALUE.search(message)
-    if value is not None and reasons and all(reason.startswith("Expected a ") for reason in reasons):
+    scalar = value is not None and not value["value"].startswith("{")  # not a {class_path, init_args} dict
+    if scalar and reasons and all(reason.startswith("Expected a ") for reason in reasons):
         expected = " or ".join(_expected(reason.removeprefix("Expected a ")) for reason in reasons)
         return f"{key}={value['value']!r}: expected {expected}{hint}"
     return f"{key}: {reasons[0] if reasons else 'invalid value'}{hint}"

@@ -317,7 +317,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("lm-hub-dataset-offline", lm_hub_dataset("someuser/private-notes"), r"^data\.dataset='someuser/private-notes' could not be loaded from the Hugging Face hub \(offline, or no such dataset\)"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
     # peft adapters
-    ("peft-not-a-peft-config", flags("--model.peft", '{"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}'), r"^model\.peft: Import path torch\.nn\.Linear does not correspond to a subclass of AdapterConfig"),
+    ("peft-not-a-peft-config", flags("--model.peft", '{"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}'), r"^model\.peft: Import path torch\.nn\.Linear does not correspond to a peft config class"),
     ("peft-target-modules-match-nothing", flags("--model.peft", lora_on("q_proj")), r"^model\.peft: Target modules \{'q_proj'\} not found in the base model"),
     ("lora-on-an-embedding", flags("--model.peft", lora_on("wte")), r"^trainable parameter 'backbone\.transformer\.wte\.lora_embedding_A\.default' .*peft\.tuners\.lora\.layer\.Embedding.*target_modules"),
     ("peft-method-no-rule-covers", flags("--model.peft", '{"class_path": "peft.IA3Config", "init_args": {"target_modules": ["c_attn"], "feedforward_modules": []}}'), r"^trainable parameter '.*c_attn\.ia3_l\.default' .*peft\.tuners\.ia3\.layer\.Linear"),

@@ -9,11 +9,13 @@ jsonargparse upgrade changes how it writes them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import pytest
 from jsonargparse import ArgumentParser
 
+from dplit.backbone.adapters import MISSING_PEFT
 from dplit.cli.messages import essential_error
 
 
@@ -146,7 +148,7 @@ REWRITES = [
             "  Given value type: <class 'dict'>\n"
             "  Given value: {'class_path': 'torch.nn.Linear', 'init_args': {'in_features': 2, 'out_features': 2}}"
         ),
-        "model.peft: Import path torch.nn.Linear does not correspond to a subclass of AdapterConfig (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})",
+        "model.peft: Import path torch.nn.Linear does not correspond to a peft config class (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})",
     ),
     Rewrite(
         "peft-not-installed",
@@ -221,6 +223,31 @@ REWRITES = [
 def test_each_parse_error_becomes_its_one_line(rewrite: Rewrite) -> None:
     assert essential_error(rewrite.message) == rewrite.line
     assert "\n" not in rewrite.line
+
+
+SHORT_NAME_WITHOUT_PEFT = (
+    'Parser key "model.peft":\n'
+    "\n"
+    '  - Expected a path but {"class_path": "LoraConfig", "init_args": {"r": 4}} either not accessible or invalid\n'
+    "  - Does not validate against any of the Union subtypes\n"
+    "  Subtypes: [<class 'dplit.backbone.adapters.AdapterConfig'>, <class 'NoneType'>]\n"
+    "  Errors:\n"
+    "    - Expected a dot import path string: LoraConfig\n"
+    "    - Expected a <class 'NoneType'>\n"
+    "  Given value type: <class 'dict'>\n"
+    "  Given value: {'class_path': 'LoraConfig', 'init_args': {'r': 4}}"
+)
+"""What jsonargparse writes for ``--model.peft '{"class_path": "LoraConfig", ...}'`` where peft cannot be imported."""
+
+
+def test_a_short_peft_class_name_without_peft_is_the_missing_package_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)  # ``import peft`` now fails, as where it is not installed
+    assert essential_error(SHORT_NAME_WITHOUT_PEFT) == MISSING_PEFT
+
+
+def test_with_peft_a_short_name_it_cannot_resolve_is_not_called_missing() -> None:
+    line = "model.peft: Expected a dot import path string: LoraConfig (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})"
+    assert essential_error(SHORT_NAME_WITHOUT_PEFT) == line
 
 
 LIVE = [
