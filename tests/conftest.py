@@ -76,7 +76,6 @@ def tiny_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the files with the most ``slow`` tests first, each file's tests in their own order.
 

@@ -51,7 +51,7 @@ def _union_error(key: str, message: str) -> str:
     A value of none of the union's types reads ``key='maybe': expected true or false or an integer``.
     """
     peft_type = "AdapterConfig" in message  # model.peft's type: a value that is no peft config, or no peft at all
-    if "No module named 'peft'" in message or (peft_type and not peft_importable()):
+    if peft_type and not peft_importable():
         return MISSING_PEFT
     message = message.replace("subclass of AdapterConfig", "peft config class")
     reasons = _reasons(message.split("Errors:", 1)[1])

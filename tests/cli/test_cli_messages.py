@@ -151,24 +151,6 @@ REWRITES = [
         "model.peft: Import path torch.nn.Linear does not correspond to a peft config class (model.peft takes {class_path: peft.LoraConfig, init_args: {...}})",
     ),
     Rewrite(
-        "peft-not-installed",
-        '--model.peft \'{"class_path": "peft.LoraConfig", ...}\' where peft cannot be imported',
-        (
-            'Parser key "model.peft":\n'
-            "\n"
-            '  - Expected a path but {"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"]}} either not accessible or invalid\n'
-            "  - Does not validate against any of the Union subtypes\n"
-            "  Subtypes: [<class 'dplit.backbone.adapters.AdapterConfig'>, <class 'NoneType'>]\n"
-            "  Errors:\n"
-            "    - Problem with given class_path 'peft.LoraConfig':\n"
-            "        No module named 'peft'\n"
-            "    - Expected a <class 'NoneType'>\n"
-            "  Given value type: <class 'dict'>\n"
-            "  Given value: {'class_path': 'peft.LoraConfig', 'init_args': {'r': 4, 'target_modules': ['c_attn']}}"
-        ),
-        "model.peft needs the 'peft' package, which is not installed: pip install peft",
-    ),
-    Rewrite(
         "max-epochs-text",
         "--trainer.max_epochs abc",
         (
@@ -225,6 +207,21 @@ def test_each_parse_error_becomes_its_one_line(rewrite: Rewrite) -> None:
     assert "\n" not in rewrite.line
 
 
+DOTTED_PATH_WITHOUT_PEFT = (
+    'Parser key "model.peft":\n'
+    "\n"
+    '  - Expected a path but {"class_path": "peft.LoraConfig", "init_args": {"r": 4, "target_modules": ["c_attn"]}} either not accessible or invalid\n'
+    "  - Does not validate against any of the Union subtypes\n"
+    "  Subtypes: [<class 'dplit.backbone.adapters.AdapterConfig'>, <class 'NoneType'>]\n"
+    "  Errors:\n"
+    "    - Problem with given class_path 'peft.LoraConfig':\n"
+    "        No module named 'peft'\n"
+    "    - Expected a <class 'NoneType'>\n"
+    "  Given value type: <class 'dict'>\n"
+    "  Given value: {'class_path': 'peft.LoraConfig', 'init_args': {'r': 4, 'target_modules': ['c_attn']}}"
+)
+"""What jsonargparse writes for ``--model.peft '{"class_path": "peft.LoraConfig", ...}'`` where peft cannot be imported."""
+
 SHORT_NAME_WITHOUT_PEFT = (
     'Parser key "model.peft":\n'
     "\n"
@@ -240,9 +237,12 @@ SHORT_NAME_WITHOUT_PEFT = (
 """What jsonargparse writes for ``--model.peft '{"class_path": "LoraConfig", ...}'`` where peft cannot be imported."""
 
 
-def test_a_short_peft_class_name_without_peft_is_the_missing_package_line(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("message", [DOTTED_PATH_WITHOUT_PEFT, SHORT_NAME_WITHOUT_PEFT], ids=["dotted", "short"])
+def test_any_model_peft_value_without_peft_is_the_missing_package_line(
+    message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "peft", None)  # ``import peft`` now fails, as where it is not installed
-    assert essential_error(SHORT_NAME_WITHOUT_PEFT) == MISSING_PEFT
+    assert essential_error(message) == MISSING_PEFT
 
 
 def test_with_peft_a_short_name_it_cannot_resolve_is_not_called_missing() -> None:
