@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from dplit.privacy.history import PrivacyHistory
@@ -34,6 +35,18 @@ def check_trainer(trainer: Trainer, precision: Precision, *, planned: bool) -> N
             "no ledger or checkpoint; for a short run set trainer.max_steps (σ is then calibrated for those steps)"
         )
     check_precision(precision)
+    refuse_tuner(trainer)
+
+
+def refuse_tuner(trainer: Trainer) -> None:
+    """Refuse Lightning's tuner (``lr_find``, ``scale_batch_size``): its trial steps train on the private data."""
+    tuning = next((type(c).__name__ for c in trainer.callbacks if isinstance(c, (LearningRateFinder, BatchSizeFinder))), None)
+    if tuning is not None:
+        raise ValueError(
+            f"Lightning's tuner ({tuning}: Tuner.lr_find / scale_batch_size) cannot run with DPStrategy: its trial "
+            "steps train on the private data outside the privacy ledger and the value it picks leaks it; tune on "
+            "public data, or spend ε on each trial run and count it"
+        )
 
 
 def check_precision(precision: Precision) -> None:

@@ -71,6 +71,7 @@ class DPSGDHooks:
         seed: int | None = None,
         allow_large_delta: bool = False,
         private_diagnostics: bool = True,
+        public_change: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # the Lightning strategy's own arguments
@@ -80,7 +81,8 @@ class DPSGDHooks:
             automatic_stability=automatic_stability, noise_multiplier=noise_multiplier, target_epsilon=target_epsilon,
             target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
             max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
-            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics, flag_owner=self.flag_owner,
+            allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics, public_change=public_change,
+            flag_owner=self.flag_owner,
         )  # fmt: skip
         self.noise_source = NoiseSource(seed=seed)
         self._dpsgd: DPSGD | None = None
@@ -93,7 +95,7 @@ class DPSGDHooks:
         module = self.lightning_module
         self._dpsgd = DPSGD(
             module, self.settings, history=module.privacy_history, noise_source=self.noise_source, world=world,
-            engine=self.make_clipping_engine(module),
+            engine=self.make_clipping_engine(module), weights_state=getattr(module, "weights_state", None),
         )  # fmt: skip
         if self._restored is not None:
             self._dpsgd.load_state_dict(self._restored)
@@ -211,6 +213,8 @@ class DPSGDHooks:
         if self._dpsgd is not None and self._dpsgd.accountant is not None and self._interrupt_path is not None:
             trainer, multi_process = self.lightning_module.trainer, self.world_size > 1
             save_interrupted_run(trainer, self._dpsgd, self._interrupt_path, exception, multi_process=multi_process)
+        if self._dpsgd is not None:
+            self._dpsgd.close_segment(interrupted=True)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

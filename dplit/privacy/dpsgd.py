@@ -26,7 +26,7 @@ import math
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
 from dplit.privacy.warnings import PrivacyWarning
+from dplit.privacy.weights_content import content_digest
 from dplit.privacy.world import SingleProcess, World
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class DPSGD:
         noise_source: seeds the sampling and the noise (default: from ``settings.seed``, OS entropy when unset).
         world: the ranks a logical batch is spread over (default: this process alone).
         engine: the clipping engine (default: ``settings.clipping`` built for ``module``).
+        weights_state: what the history's digest of the weights covers (default: ``module.state_dict``; a dplit
+            task leaves out a quantised base, which checkpoints do not hold).
     """
 
     def __init__(
@@ -94,9 +97,11 @@ class DPSGD:
         noise_source: NoiseSource | None = None,
         world: World | None = None,
         engine: ClippingEngine | None = None,
+        weights_state: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.history = history
+        self._weights_state = weights_state if weights_state is not None else module.state_dict
         self.noise_source = noise_source if noise_source is not None else NoiseSource(seed=settings.seed)
         self.world: World = world if world is not None else SingleProcess()
         self.world.check_settings(settings)
@@ -341,10 +346,27 @@ class DPSGD:
         return stop
 
     def finish(self) -> None:
-        """Bring ε up to date and write the ledger file (at the end of training, or when it is interrupted)."""
+        """Bring ε up to date, write the ledger file and close this run's segment (at the end of training)."""
         if self._ledger.accountant is not None and self._epsilon_steps != self._ledger.steps:
             self._refresh_epsilon()
             self._ledger.write(self.facts(), epsilon=self._epsilon_spent)
+        self.close_segment()
+
+    def close_segment(self, *, interrupted: bool = False) -> None:
+        """End this run's segment of the weights' history, sealing the weights' digest.
+
+        Args:
+            interrupted: the run was interrupted; with several processes no collective may run then, so the digest
+                is not sealed (the next boundary verifies against the last checkpoint's).
+        """
+        if self._ledger.accountant is None:
+            return
+        digest = None if interrupted and self.world.size > 1 else self._weights_digest()
+        self.history.close_dp_segment(digest)
+
+    def _weights_digest(self) -> str:
+        """The weights' content digest (every rank takes part when they are sharded)."""
+        return content_digest(self._weights_state(), gather=self.world.gather)
 
     def epsilon_after(self, steps: int) -> float:
         """ε after ``steps`` more steps at this run's (σ, q)."""
@@ -531,6 +553,9 @@ class DPSGD:
         )
         if resumed_from is not None and self.world.rank == 0:
             self._count_steps_after_checkpoint(resumed_from, log_dir)
+        change = history.verify(self._weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change)
+        if change is not None:
+            self._warn(f"DP-SGD: {change}")
         history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history
         accountant = self._accountant()
         accountant.load_state_dict({**accountant.state_dict(), "history": history.accountant_history()})

@@ -7,31 +7,45 @@ history is a list of segments, each a plain dict (so it travels in ``state_dict(
 
 * ``{"kind": "dp", "run_id", "accountant": [[σ, q, steps], ...], "max_grad_norm", "dataset_size", "delta",
   "mechanism", "noise", "noise_secure", "note"}``: DP-SGD steps of one fit (a resume opens a new segment);
-* ``{"kind": "non_private", "steps", "reason"}``: optimizer steps taken without DP-SGD, or weights of unknown
-  history; one such segment makes the weights non-private for good.
+* ``{"kind": "non_private", "steps", "reason"}``: optimizer steps taken without DP-SGD, a change of the weights no
+  recorded step explains (``steps`` 0), or weights of unknown history; one such segment makes the weights
+  non-private for good;
+* ``{"kind": "public_change", "statement", "where"}``: a change no recorded step explains, which the person running
+  dplit stated used no private data (``DPStrategy.public_change``); the card quotes the statement verbatim.
 
-Nothing here is computed from the training data: σ, q, C, N and step counts are public parameters of the run.
+The history is bound to the weights' content: it records where they started (``origin``: a public starting point and
+its digest) and the digest of the weights at the last boundary it saw (:meth:`PrivacyHistory.seal`: each DP segment's
+end, each checkpoint), and :meth:`PrivacyHistory.verify` turns any difference no recorded step explains into a
+segment. Nothing here is computed from the training data: σ, q, C, N, step counts and digests of the weights are
+public parameters of the run or functions of the weights that are released anyway.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from dplit.privacy.accounting import History
+from dplit.privacy.export_seal import GUARANTEE_FILE, check_export
+from dplit.privacy.integrity import DIGEST_KEY, check_digests
 from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.privacy.weights_content import content_digest
+
+__all__ = ["GUARANTEE_FILE", "HISTORY_KEY", "PrivacyHistory", "history_in_checkpoint", "inherited_history"]
 
 Segment = dict[str, Any]
 
 NON_PRIVATE_STEP = "optimizer steps taken without dplit.strategy.DPStrategy (no clipping, no noise)"
 HISTORY_KEY = "dplit_privacy_history"
 """The checkpoint entry holding the weights' :meth:`PrivacyHistory.state_dict` (written by the module)."""
+UNRECORDED_CHANGE = "the weights changed outside any step dplit recorded"
+"""Why a change found by :meth:`PrivacyHistory.verify` makes the weights non-private."""
+LOADED_DURING_FIT = "weights were loaded into the model (load_state_dict) while a DP-SGD fit was running"
+NOT_RECORDED_ORIGIN = "not recorded (the weights as dplit first saw them, before their first DP segment)"
+"""The origin of a history that no dplit task started (a module of your own with a fresh PrivacyHistory)."""
 UNKNOWN_HISTORY = "trained without dplit.strategy.DPStrategy before dplit kept a privacy history with the weights"
-GUARANTEE_FILE = "dp_guarantee.json"
-"""The machine-readable guarantee of a dplit export (its ``privacy_history`` is inherited by a model built on it)."""
 
 
 class PrivacyHistory:
@@ -39,13 +53,17 @@ class PrivacyHistory:
 
     The strategy calls :meth:`open_dp_segment` at the start of a fit and :meth:`record_dp_step` at every DP step;
     the module's optimizers call :meth:`optimizer_stepped` after every step, which counts a step that no DP step
-    announced as non-private.
+    announced as non-private. The module records where its weights started (:meth:`record_origin`), seals their
+    digest at each checkpoint and DP segment's end, and has it verified before each DP segment (:meth:`verify`).
     """
 
     def __init__(self, segments: Iterable[Segment] = ()) -> None:
         self._segments: list[Segment] = [copy.deepcopy(dict(segment)) for segment in segments]
         self._open: Segment | None = None
         self._dp_step_pending = False
+        self._origin: dict[str, Any] | None = None
+        self._digest: str | None = None
+        self._explained = False  # whether recorded steps since the last seal explain a change of the weights
 
     # --- what the history says ----------------------------------------------------------------------------------
 
@@ -55,6 +73,16 @@ class PrivacyHistory:
         return copy.deepcopy(self._segments)
 
     @property
+    def origin(self) -> dict[str, Any] | None:
+        """The public starting point of the weights: ``{"description", "digest"}`` (``None``: not recorded)."""
+        return copy.deepcopy(self._origin)
+
+    @property
+    def digest(self) -> str | None:
+        """The weights' content digest at the last boundary this history saw (``None``: none recorded)."""
+        return self._digest
+
+    @property
     def dp_steps(self) -> int:
         """DP-SGD steps over every DP segment."""
         return sum(segment_steps(segment) for segment in self._segments if segment["kind"] == "dp")
@@ -62,7 +90,7 @@ class PrivacyHistory:
     @property
     def non_private_steps(self) -> int:
         """Steps taken without DP-SGD (or of unknown history)."""
-        return sum(segment_steps(segment) for segment in self._segments if segment["kind"] != "dp")
+        return sum(segment_steps(segment) for segment in self._segments if segment["kind"] == "non_private")
 
     @property
     def noise_secure(self) -> bool:
@@ -82,10 +110,11 @@ class PrivacyHistory:
 
     def reason_not_private(self) -> str | None:
         """Why these weights are not differentially private whatever ε says (``None``: nothing found)."""
-        non_private = [segment for segment in self._segments if segment["kind"] != "dp"]
+        non_private = [segment for segment in self._segments if segment["kind"] == "non_private"]
         if non_private:
             reasons = "; ".join(sorted({segment["reason"] for segment in non_private}))
-            return f"{self.non_private_steps} of the weights' steps were not private: {reasons}"
+            steps = self.non_private_steps
+            return f"{steps} of the weights' steps were not private: {reasons}" if steps else reasons
         predictable = [seg for seg in self._segments if seg["kind"] == "dp" and not seg["noise_secure"]]
         if predictable:
             steps = sum(segment_steps(segment) for segment in predictable)
@@ -121,6 +150,7 @@ class PrivacyHistory:
         else:
             entries.append([float(noise_multiplier), float(sample_rate), 1])
         self._dp_step_pending = True
+        self._explained = True
 
     def record_dp_steps(self, history: History, *, run_id: str, facts: dict[str, Any], note: str) -> None:
         """Add a closed DP segment of ``history``'s steps (steps known from a ledger, e.g. after an interrupt)."""
@@ -142,18 +172,87 @@ class PrivacyHistory:
             last["steps"] += steps
         else:
             self._segments.append({"kind": "non_private", "steps": int(steps), "reason": reason})
+        self._explained = True
+
+    # --- binding the history to the weights' content -------------------------------------------------------------
+
+    def record_origin(self, description: str, digest: str) -> None:
+        """Record the public starting point the weights were just built from, and seal their digest.
+
+        Args:
+            description: what the starting point is (a hub model, a local folder, a dplit export, a random
+                initialisation), in words a card can publish.
+            digest: the weights' content digest now (:func:`dplit.privacy.weights_content.content_digest`).
+        """
+        self._origin = {"description": description, "digest": digest}
+        self.seal(digest)
+
+    def seal(self, digest: str) -> None:
+        """Record that the weights now have ``digest`` and that the history so far explains them."""
+        self._digest, self._explained = digest, False
+
+    def verify(self, digest: str, *, where: str, public_change: str | None = None) -> str | None:
+        """Compare the weights' digest now with the last seal; a change no recorded step explains becomes a segment.
+
+        Steps recorded since the last seal (DP or not) and a DP segment still open explain any change. An
+        unexplained change is a ``non_private`` segment, or, when ``public_change`` states that it used no private
+        data, a ``public_change`` segment quoting that statement. Either way the new digest is sealed.
+
+        Args:
+            digest: the weights' content digest now.
+            where: the boundary, for the segment and the line (e.g. ``"before a DP-SGD fit"``).
+            public_change: the user's statement that an unexplained change used no private data (quoted verbatim).
+
+        Returns:
+            The line to say when an unexplained change was found, else ``None``.
+        """
+        explained = self._open is not None or self._explained or digest == self._digest
+        if explained or (self._digest is None and self._origin is None and not self._segments):
+            if self._origin is None and not self._segments:
+                self._origin = {"description": NOT_RECORDED_ORIGIN, "digest": digest}
+            self.seal(digest)
+            return None
+        self.seal(digest)
+        if public_change:
+            self._segments.append({"kind": "public_change", "statement": public_change, "where": where})
+            return f"the weights changed outside any step dplit recorded ({where}); recorded as a public change: {public_change!r}"
+        self._segments.append({"kind": "non_private", "steps": 0, "reason": f"{UNRECORDED_CHANGE} ({where})"})
+        return (
+            f"these weights are now NOT differentially private: they changed outside any step dplit recorded ({where}: "
+            "a training loop without DPStrategy, load_state_dict, or an edit); train them only through dplit, load "
+            "checkpoints with --ckpt_path or Module.load_from_checkpoint, or, if the change used no private data, say "
+            "so with DPStrategy.public_change='<what was done>' (the card quotes it)"
+        )
+
+    def weights_loaded(self) -> None:
+        """Called after weights are loaded into the model: they must match the last seal (see :meth:`verify`).
+
+        While a DP segment runs, the loaded weights replace what its steps made, so the load is not private.
+        """
+        if self._open is not None and any(segment is self._open for segment in self._segments):
+            self._segments.append({"kind": "non_private", "steps": 0, "reason": LOADED_DURING_FIT})
+        self._explained = False
+
+    def close_dp_segment(self, digest: str | None) -> None:
+        """End the open DP segment (a fit's end, or its interruption) and seal ``digest`` when it is known."""
+        self._open = None
+        self._dp_step_pending = False
+        if digest is not None:
+            self.seal(digest)
 
     # --- persistence ----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The history as plain lists and dicts (``torch.load(weights_only=True)`` and JSON both read it)."""
-        return {"version": 1, "segments": self.segments}
+        return {"version": 2, "segments": self.segments, "origin": self.origin, "digest": self._digest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the history by a saved one (the open segment, if any, starts afresh)."""
         self._segments = [copy.deepcopy(dict(segment)) for segment in state.get("segments", [])]
         self._open = None
         self._dp_step_pending = False
+        self._origin = copy.deepcopy(state.get("origin"))
+        self._digest, self._explained = state.get("digest"), False
 
     def extend(self, segments: Iterable[Segment]) -> None:
         """Append segments (e.g. steps an earlier model took before these weights were built from it)."""
@@ -167,11 +266,17 @@ def segment_steps(segment: Segment) -> int:
     return int(segment["steps"])
 
 
-def history_in_checkpoint(checkpoint: dict[str, Any]) -> PrivacyHistory:
+def history_in_checkpoint(checkpoint: dict[str, Any], *, check_weights: bool = False) -> PrivacyHistory:
     """The privacy history of a Lightning checkpoint's weights.
 
     A checkpoint from before weights kept their history gets the one its run ledger implies (one DP segment), or,
-    without a ledger, one non-private segment of its ``global_step`` steps.
+    without a ledger, one non-private segment of its ``global_step`` steps. A history from before histories kept a
+    digest of the weights gets the digest of the checkpoint's weights when dplit's integrity seal vouches for them.
+
+    Args:
+        checkpoint: the loaded checkpoint.
+        check_weights: verify that the checkpoint's weights are those its history sealed (a mismatch is a change
+            no recorded step explains: a non-private segment).
     """
     history = PrivacyHistory()
     if HISTORY_KEY in checkpoint:
@@ -180,7 +285,27 @@ def history_in_checkpoint(checkpoint: dict[str, Any]) -> PrivacyHistory:
         history.extend(history_of_ledger(checkpoint[CHECKPOINT_KEY]))
     elif checkpoint.get("global_step"):
         history.record_non_private_steps(int(checkpoint["global_step"]), reason=UNKNOWN_HISTORY)
+    weights = checkpoint.get("state_dict")
+    if weights is None or not (check_weights or history.digest is None):
+        return history
+    digest = content_digest(weights)
+    if history.digest is None and _integrity_vouches(checkpoint):
+        history.seal(digest)
+    elif check_weights:
+        history.verify(digest, where="found in the checkpoint")
     return history
+
+
+def _integrity_vouches(checkpoint: dict[str, Any]) -> bool:
+    """Whether dplit's integrity seal covers the checkpoint's weights and history, and they are intact."""
+    sealed = checkpoint.get(DIGEST_KEY) or {}
+    if "state_dict" not in sealed:
+        return False
+    try:
+        check_digests(checkpoint, source="checkpoint")
+    except ValueError:
+        return False
+    return True
 
 
 def history_of_ledger(ledger: dict[str, Any]) -> list[Segment]:
@@ -201,39 +326,29 @@ def history_of_ledger(ledger: dict[str, Any]) -> list[Segment]:
     ]
 
 
-def inherited_segments(pretrained: str | None) -> list[Segment]:
-    """The history a model built from ``pretrained`` starts with: a dplit export's own, else nothing.
+def inherited_history(pretrained: str | None) -> tuple[list[Segment], str | None]:
+    """The history a model built from ``pretrained`` starts with, and how its origin describes that folder.
 
-    A local folder with ``dp_guarantee.json`` was written by ``dplit export``: its weights took the steps its
-    guarantee lists (an export from before histories were kept contributes its accountant history, or one
-    non-private segment when it was not DP). Hub names and other folders bring no history dplit knows of.
+    An intact (sealed) dplit export brings its guarantee's privacy history; a folder that carries a trace of dplit
+    (a guarantee, a card, or weight files marked by an export) whose seal does not hold brings one segment of
+    weights of unknown history (not private); anything else (a hub name, another folder) brings nothing.
+
+    Returns:
+        The inherited segments, and the starting point's description for an export or a broken one (``None``:
+        the caller describes a plain source).
     """
     if pretrained is None:
-        return []
-    path = Path(pretrained).expanduser() / GUARANTEE_FILE
-    if not path.is_file():
-        return []
-    try:
-        guarantee = json.loads(path.read_text())
-    except (OSError, ValueError):
-        reason = f"built from a dplit export whose {GUARANTEE_FILE} cannot be read"
-        return [{"kind": "non_private", "steps": 0, "reason": reason}]
-    if "privacy_history" in guarantee:
-        return list(guarantee["privacy_history"]["segments"])
-    return _segments_of_old_guarantee(guarantee)
-
-
-def _segments_of_old_guarantee(guarantee: dict[str, Any]) -> list[Segment]:
-    if not guarantee.get("differentially_private") or not guarantee.get("accountant_history"):
-        reason = f"built from a dplit export that is not differentially private ({guarantee.get('reason')})"
-        return [{"kind": "non_private", "steps": int(guarantee.get("steps") or 0), "reason": reason}]
-    ledger = {
-        "accountant": {
-            "history": guarantee["accountant_history"],
-            "delta": guarantee["delta"],
-            "mechanism": guarantee["accountant"],
-        },
-        **{key: guarantee.get(key) for key in ("run_id", "max_grad_norm", "dataset_size", "noise")},
-        "noise_secure": True,
-    }
-    return history_of_ledger(ledger)
+        return [], None
+    folder = Path(pretrained).expanduser()
+    if not folder.is_dir():
+        return [], None
+    check = check_export(folder)
+    if check.kind == "plain":
+        return [], None
+    if check.kind == "broken":
+        reason = f"built from weights of unknown history (folder {folder.name}: {check.reason})"
+        return [{"kind": "non_private", "steps": 0, "reason": reason}], f"folder {folder.name}, weights of unknown history"
+    history = (check.guarantee or {}).get("privacy_history") or {}
+    origin = (history.get("origin") or {}).get("description") or "not recorded"
+    segments = list(history.get("segments", []))
+    return segments, f"dplit export {folder.name} (seal intact; its history starts from {origin})"

@@ -85,6 +85,12 @@ class DPSGDSettings:
     """Log the diagnostics computed from private batches without noise (loss, gradient norms, clip fraction,
     realised batch size, memory): none is covered by ε. ``False`` when logs leave the trust boundary."""
 
+    public_change: str | None = None
+    """Your statement that the weights' changes no recorded step explains (a training loop without DPStrategy,
+    ``load_state_dict``, an edit) used no private data, e.g. ``"2 epochs on public Wikipedia text"``. Without it such
+    a change makes the weights NOT differentially private for good; with it the change is recorded as public and
+    the model card quotes the statement verbatim. Used only when such a change is found before the fit."""
+
     flag_owner: str = FLAG_OWNER
     """The strategy whose flags the refusals name: ``DPStrategy``, or ``ShardedDPStrategy`` for the sharded one."""
 
@@ -108,6 +114,8 @@ class DPSGDSettings:
         self._check_clip_mode_knobs()
         _require_choice("tied_norm", self.tied_norm, TIED_NORMS, owner=self.flag_owner)
         _require_choice("accountant", self.accountant, ACCOUNTANTS, owner=self.flag_owner)
+        if self.public_change is not None and (not isinstance(self.public_change, str) or not self.public_change.strip()):
+            raise ValueError(f"{self.flag_owner}.public_change must be a non-empty statement of what was done, got {self.public_change!r}")
 
     def _check_clip_mode_knobs(self) -> None:
         """Each mode's own knobs in range, and none of them set under another mode (one line naming the flag)."""

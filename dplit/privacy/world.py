@@ -34,6 +34,10 @@ class World(Protocol):
         """Replace ``tensor`` in place by its sum over the ranks (the same bits on every rank)."""
         ...
 
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value`` (any picklable object), in rank order, on every rank."""
+        ...
+
     def all_agree(self, decision: bool) -> bool:
         """Whether every rank's ``decision`` is true."""
         ...
@@ -67,6 +71,10 @@ class SingleProcess:
 
     def all_reduce_sum(self, tensor: Tensor) -> None:
         """Nothing to add."""
+
+    def gather(self, value: T) -> list[T]:
+        """``[value]``."""
+        return [value]
 
     def all_agree(self, decision: bool) -> bool:
         """``decision`` itself."""
@@ -112,6 +120,12 @@ class ProcessGroup:
     def all_reduce_sum(self, tensor: Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place."""
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, pickled, in rank order."""
+        values: list[T] = [value] * self.size
+        dist.all_gather_object(values, value)
+        return values
 
     def all_agree(self, decision: bool) -> bool:
         """Whether every rank decided true (one all-reduce of the count of ranks that did)."""

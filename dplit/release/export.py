@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from dplit.backbone.adapters import adapter_parameters
 from dplit.backbone.embeddings import is_tied
 from dplit.data.tasks import get_task
+from dplit.privacy.export_seal import seal_export
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE, model_card
 from dplit.release.trained import TrainedModel, load_trained
@@ -151,8 +152,9 @@ def _write(trained: TrainedModel, folder: Path, *, adapter_only: bool) -> None:
     if trained.is_classifier:
         kind = "label-word classifier (a causal LM)" if trained.hparams.get("head") != "linear" else "classifier"
         _save_classifier(trained, folder)
-    (folder / GUARANTEE_FILE).write_text(json.dumps(trained.guarantee, indent=1, allow_nan=False) + "\n")
-    (folder / "README.md").write_text(model_card(trained.guarantee, kind=kind))
+    guarantee = seal_export(folder, trained.guarantee)  # the weight files and the guarantee name each other
+    (folder / GUARANTEE_FILE).write_text(json.dumps(guarantee, indent=1, allow_nan=False) + "\n")
+    (folder / "README.md").write_text(model_card(guarantee, kind=kind))
 
 
 def merge_adapters(model: PreTrainedModel) -> None:

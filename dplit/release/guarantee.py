@@ -45,7 +45,7 @@ def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
     were never trained with :class:`~dplit.strategy.DPStrategy`.
     """
     facts = {**_training_facts(checkpoint), "not_covered": list(NOT_COVERED)}
-    history = history_in_checkpoint(checkpoint)
+    history = history_in_checkpoint(checkpoint, check_weights=True)
     ledger = checkpoint.get(CHECKPOINT_KEY)
     record = {"privacy_history": history.state_dict(), "non_private_steps": history.non_private_steps}
     segments = [segment for segment in history.segments if segment["kind"] == "dp"]

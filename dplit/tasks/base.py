@@ -8,6 +8,7 @@ import inspect
 import json
 import math
 import tempfile
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,8 +41,10 @@ from dplit.backbone.quantization import (
 )
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
-from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_segments
+from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_history
 from dplit.privacy.integrity import record_digest
+from dplit.privacy.warnings import PrivacyWarning
+from dplit.privacy.weights_content import Gather, content_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
@@ -137,7 +140,10 @@ class CausalLMModule(LightningModule, ABC):
         check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule)
         require_finite_number(checkpointed_share, name="model.checkpointed_share", above=0, maximum=1)
         self._freeze = list(freeze or [])
-        self.privacy_history = PrivacyHistory(inherited_segments(pretrained))
+        inherited, inherited_from = inherited_history(pretrained)
+        self.privacy_history = PrivacyHistory(inherited)
+        self._origin = inherited_from or starting_point(pretrained=pretrained, gguf_file=gguf_file)
+        self.register_load_state_dict_post_hook(lambda *_: self.privacy_history.weights_loaded())
         self._step_hooks: list[Any] = []
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         if quantization is not None:
@@ -217,6 +223,17 @@ class CausalLMModule(LightningModule, ABC):
         if not any(p.requires_grad for p in self.parameters()):
             raise ValueError(nothing_to_train(prefixes, also_frozen_by))
         refuse_trainable_quantized(self)
+        self.privacy_history.record_origin(self._origin, self.digest_of_weights())
+
+    def weights_state(self) -> dict[str, Any]:
+        """The state dict the privacy history's digest covers: all of it but a quantised base (reloaded, frozen)."""
+        state = dict(self.state_dict())
+        drop_quantized_weights(self, state)
+        return state
+
+    def digest_of_weights(self, gather: Gather | None = None) -> str:
+        """The content digest of :meth:`weights_state` (``gather``: the ranks' collective, for sharded weights)."""
+        return content_digest(self.weights_state(), gather=gather)
 
     @override
     def configure_model(self) -> None:
@@ -253,6 +270,15 @@ class CausalLMModule(LightningModule, ABC):
         self.privacy_history.load_state_dict(history_in_checkpoint(checkpoint).state_dict())
         if "state_dict" in checkpoint:  # (Lightning's FSDP2 loader takes the weights out before this hook)
             add_quantized_weights(self, checkpoint["state_dict"])  # saved without them: the base's, reloaded
+            self._hold_float64(checkpoint["state_dict"])
+
+    def _hold_float64(self, state: dict[str, Any]) -> None:
+        """Make a float32 module float64 before float64 weights load into it (so they load exactly, not rounded)."""
+        values = [value for value in state.values() if isinstance(value, Tensor) and value.is_floating_point()]
+        params = list(self.parameters())
+        wide = bool(values) and all(value.dtype == torch.float64 for value in values)
+        if wide and params and all(param.dtype == torch.float32 for param in params):
+            self.double()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -264,14 +290,22 @@ class CausalLMModule(LightningModule, ABC):
         """
         datamodule = getattr(self._trainer, "datamodule", None)
         checkpoint[RELEASE_KEY] = release_record(self, datamodule)
+        drop_quantized_weights(self, checkpoint["state_dict"])  # the frozen base's: model.pretrained holds them
+        if checkpoint["state_dict"]:  # (empty on the ranks a sharded checkpoint is not gathered on)
+            self._seal_weights(content_digest(checkpoint["state_dict"]))
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
         checkpoint[BACKBONE_KEY] = backbone_config(self.backbone)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if isinstance(tokenizer, PreTrainedTokenizerBase):
             checkpoint[TOKENIZER_KEY] = tokenizer_files(tokenizer)
-        drop_quantized_weights(self, checkpoint["state_dict"])  # the frozen base's: model.pretrained holds them
         record_digest(checkpoint, "state_dict")
         record_digest(checkpoint, HISTORY_KEY)
+
+    def _seal_weights(self, digest: str) -> None:
+        """Seal the weights being saved in their history (a change no recorded step explains is recorded first)."""
+        line = self.privacy_history.verify(digest, where="found when a checkpoint was saved")
+        if line is not None:
+            warnings.warn(f"dplit: {line}", PrivacyWarning, stacklevel=2)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -299,6 +333,17 @@ class CausalLMModule(LightningModule, ABC):
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def starting_point(*, pretrained: str | None, gguf_file: str | None) -> str:
+    """The public weights a model starts from, in words a card can publish (a local folder by its name only)."""
+    if pretrained is None:
+        return "random initialisation from model.config"
+    gguf = f", GGUF file {Path(gguf_file).name}" if gguf_file else ""
+    folder = Path(pretrained).expanduser()
+    if folder.is_dir():
+        return f"local folder {folder.resolve().name}{gguf}"
+    return f"hub model {pretrained}{gguf}"
 
 
 def backbone_config(backbone: PreTrainedModel) -> dict[str, Any]:

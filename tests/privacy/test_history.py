@@ -18,7 +18,7 @@ from dplit.privacy.history import (
     NON_PRIVATE_STEP,
     PrivacyHistory,
     history_in_checkpoint,
-    inherited_segments,
+    inherited_history,
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
@@ -145,7 +145,8 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     run_cli(["fit", *quickstart_args(tmp_path / "first", *steps(3), *sigma)])
     first = max((tmp_path / "first").rglob("*.ckpt"), key=lambda path: path.stat().st_mtime)
     export_checkpoint(first, tmp_path / "export")
-    assert inherited_segments(str(tmp_path / "export"))[0]["accountant"] == [[1.0, 0.1, 3]]
+    segments, origin = inherited_history(str(tmp_path / "export"))
+    assert segments[0]["accountant"] == [[1.0, 0.1, 3]] and origin is not None and "seal intact" in origin
     built = ["--model.config", "null", "--model.pretrained", str(tmp_path / "export")]
     cli = run_cli(["fit", *quickstart_args(tmp_path / "second", *steps(2), *sigma, *built)])
     assert cli.model.privacy_history.dp_steps == 5
@@ -178,16 +179,18 @@ def test_an_old_checkpoint_gets_the_history_its_ledger_implies() -> None:
     assert history_in_checkpoint(saved).segments == history.segments
 
 
-def test_an_export_from_before_histories_is_inherited_from_its_guarantee(tmp_path: Path) -> None:
+def test_an_export_from_before_exports_were_sealed_is_weights_of_unknown_history(tmp_path: Path) -> None:
     old = {
         "differentially_private": True, "epsilon": 1.0, "delta": 1e-5, "accountant": "prv",
         "accountant_history": [[2.0, 0.01, 50]], "noise": "os_entropy", "max_grad_norm": 1.0, "dataset_size": 1000,
     }  # fmt: skip
     (tmp_path / GUARANTEE_FILE).write_text(json.dumps(old))
-    assert PrivacyHistory(inherited_segments(str(tmp_path))).accountant_history() == [(2.0, 0.01, 50)]
-    (tmp_path / GUARANTEE_FILE).write_text(json.dumps({**old, "differentially_private": False, "reason": "seeded"}))
-    assert PrivacyHistory(inherited_segments(str(tmp_path))).reason_not_private() is not None
-    assert inherited_segments("gpt2") == [] and inherited_segments(None) == []
+    segments, origin = inherited_history(str(tmp_path))
+    history = PrivacyHistory(segments)
+    assert history.accountant_history() == [] and origin is not None and "unknown history" in origin
+    reason = history.reason_not_private()
+    assert reason is not None and "no seal binding it to the weight files" in reason
+    assert inherited_history("gpt2") == ([], None) and inherited_history(None) == ([], None)
 
 
 def test_an_optimizer_step_no_dp_step_announced_is_non_private() -> None:
