@@ -69,7 +69,8 @@ def _row_digests(name: str, value: Tensor, gather: Gather | None) -> list[bytes]
 def _local_row_digests(tensor: Tensor) -> list[bytes]:
     canonical = _canonical(tensor.cpu())
     tag = str(canonical.dtype).encode()
-    rows = canonical.reshape(canonical.shape[0] if canonical.dim() else 1, -1)  # [rows, entries per row]
+    count = canonical.shape[0] if canonical.dim() else 1  # a rank's shard may hold no row
+    rows = canonical.reshape(count, canonical.numel() // count if count else 0)  # [rows, entries per row]
     data = rows.contiguous().view(torch.uint8).numpy()  # [rows, bytes per row]
     return [_sha256(tag, data[index]) for index in range(rows.shape[0])]
 

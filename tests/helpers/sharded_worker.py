@@ -25,6 +25,7 @@ from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.sharded_world import ShardedProcessGroup
+from dplit.privacy.weights_content import content_digest
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import clipped_sum, per_example_gradients
 from tests.helpers.families import SMALL
@@ -139,8 +140,18 @@ def run(rank: int, size: int, out: str, port: int) -> None:
     results["state-bytes"] = state_bytes_after_a_step(_sharded_copy(make_classifier("gpt2", "untied"), mesh), mesh)
     if rank == 0:
         results["state-bytes-whole"] = state_bytes_after_a_step(make_classifier("gpt2", "untied"), None)
+    results["digests"] = sharded_and_whole_digests(mesh)
     torch.save(results, Path(out) / f"rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def sharded_and_whole_digests(mesh: Any) -> tuple[str, str]:
+    """The content digest of a tiny Llama's weights sharded by FSDP2 over the ranks, and of the same weights whole."""
+    module = make_classifier("llama", "untied")
+    whole = content_digest(module.state_dict())
+    shard_task(module, mesh)
+    assert any(isinstance(value, DTensor) for value in module.state_dict().values())
+    return content_digest(module.state_dict(), gather=ShardedProcessGroup(device=torch.device("cpu")).gather), whole
 
 
 def _sharded_copy(module: CausalLMClassifier, mesh: Any) -> CausalLMClassifier:

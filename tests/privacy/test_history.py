@@ -27,6 +27,7 @@ from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
 from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.fitting import fit, make_model
+from dplit.strategy import DPStrategy
 from tests.helpers.tiny import RandomTokenData
 
 TRAIN_SIZE, BATCH = 64, 16  # RandomTokenData's defaults
@@ -207,3 +208,114 @@ def test_an_optimizer_step_no_dp_step_announced_is_non_private() -> None:
     restored = PrivacyHistory()
     restored.load_state_dict(json.loads(json.dumps(history.state_dict())))
     assert restored.segments == history.segments
+
+
+# --- issue 49: the history is bound to the weights' content ---------------------------------------------------------
+
+
+def _train_without_dplit(model: Any, *, steps: int = 3) -> None:
+    """A plain PyTorch loop on the private rows: AdamW on the summed per-example loss."""
+    batch = next(iter(RandomTokenData().train_dataloader()))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model.per_example_loss(batch).sum().backward()
+        optimizer.step()
+
+
+def _edit_through_data(model: Any) -> None:
+    """An in-place edit through ``.data``: no version counter sees it."""
+    next(p for p in model.parameters() if p.requires_grad).data.add_(1e-3)
+
+
+@pytest.mark.parametrize("change", [_train_without_dplit, _edit_through_data], ids=["plain loop", "data edit"])
+def test_a_change_made_outside_dplit_makes_the_next_dp_fit_not_private(tmp_path: Path, change: Any) -> None:
+    model = make_model()
+    change(model)
+    with pytest.warns(PrivacyWarning, match="NOT differentially private: they changed outside any step dplit recorded"):
+        trainer, _ = fit(tmp_path, model, max_steps=1, noise_multiplier=1.0, seed=None)
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False
+    assert "changed outside any step dplit recorded (found before a DP-SGD fit)" in guarantee["reason"]
+    assert model.privacy_history.dp_steps == 1  # the DP step still counts
+
+
+def test_weights_changed_after_a_dp_fit_are_caught_when_the_checkpoint_is_saved(tmp_path: Path) -> None:
+    model = make_model()
+    trainer, _ = fit(tmp_path, model, max_steps=2, noise_multiplier=1.0, seed=None)
+    assert guarantee_after(trainer, tmp_path / "0")["differentially_private"] is True
+    _train_without_dplit(model)
+    with pytest.warns(PrivacyWarning, match="found when a checkpoint was saved"):
+        guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False and guarantee["steps"] == 2
+
+
+def test_load_state_dict_brings_weights_the_history_cannot_explain(tmp_path: Path) -> None:
+    trained = make_model()
+    non_private_fit(tmp_path / "plain", trained, max_steps=2)  # its own history says non-private
+    model = make_model()
+    model.load_state_dict(trained.state_dict())
+    trainer, _ = fit(tmp_path / "dp", model, max_steps=1, noise_multiplier=1.0, seed=None)
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False and "found before a DP-SGD fit" in guarantee["reason"]
+
+
+def test_a_dp_checkpoint_keeps_its_history_through_load_from_checkpoint_but_not_through_its_state_dict(
+    tmp_path: Path,
+) -> None:
+    trainer, _ = fit(tmp_path / "first", make_model(), max_steps=2, noise_multiplier=1.0, seed=None)
+    path = tmp_path / "first.ckpt"
+    trainer.save_checkpoint(path)
+    restored = type(make_model()).load_from_checkpoint(path, map_location="cpu")
+    trainer, _ = fit(tmp_path / "second", restored, max_steps=1, noise_multiplier=1.0, seed=None)
+    guarantee = guarantee_after(trainer, tmp_path / "a")
+    assert guarantee["differentially_private"] is True and guarantee["steps"] == 3
+    idiom = make_model()
+    idiom.load_state_dict(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+    trainer, _ = fit(tmp_path / "third", idiom, max_steps=1, noise_multiplier=1.0, seed=None)
+    guarantee = guarantee_after(trainer, tmp_path / "b")
+    assert guarantee["differentially_private"] is False and guarantee["steps"] == 1
+
+
+def test_weights_loaded_while_a_dp_fit_runs_are_not_private(tmp_path: Path) -> None:
+    other = make_model().state_dict()
+
+    class LoadMidFit(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+            if trainer.global_step == 1:
+                pl_module.load_state_dict(other)
+
+    model = make_model()
+    trainer, _ = fit(tmp_path, model, max_steps=2, noise_multiplier=1.0, seed=None, callbacks=[LoadMidFit()])
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False and "while a DP-SGD fit was running" in guarantee["reason"]
+
+
+def test_a_change_stated_public_is_recorded_verbatim_and_keeps_the_weights_private(tmp_path: Path) -> None:
+    model = make_model()
+    _train_without_dplit(model)
+    statement = "3 AdamW steps on public | text (no private data)"
+    trainer, _ = fit(tmp_path, model, max_steps=1, noise_multiplier=1.0, seed=None, public_change=statement)
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is True
+    kinds = [segment["kind"] for segment in guarantee["privacy_history"]["segments"]]
+    assert kinds == ["public_change", "dp"]
+    assert guarantee["privacy_history"]["segments"][0]["statement"] == statement
+
+
+def test_the_origin_names_the_public_starting_point_and_its_digest() -> None:
+    model = make_model()
+    origin = model.privacy_history.origin
+    assert origin is not None and origin["description"] == "random initialisation from model.config"
+    assert origin["digest"] == model.digest_of_weights()  # .double() after construction: the same values
+    assert model.privacy_history.digest == origin["digest"]
+
+
+def test_lightnings_tuner_is_refused_in_one_line(tmp_path: Path) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    strategy = DPStrategy(accelerator="cpu", max_grad_norm=0.1, noise_multiplier=1.0)
+    trainer = L.Trainer(strategy=strategy, devices=1, max_steps=3, default_root_dir=tmp_path, logger=False)
+    with pytest.raises(ValueError, match=r"^Lightning's tuner \(LearningRateFinder"):
+        Tuner(trainer).lr_find(make_model(), datamodule=RandomTokenData(), num_training=2)
+    assert not list(tmp_path.rglob("*.ckpt"))
