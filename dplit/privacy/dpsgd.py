@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 AUTOMATIC_STABILITY = 0.01
 """Automatic clipping's default γ (Bu et al. 2023)."""
+MECHANISM_FACTS = ("clip_mode", "max_grad_norm", "max_rows_per_user")
+"""The facts of a run's mechanism a resume may change (it is said in one line; the privacy unit and N it may not)."""
 TARGET_QUANTILE, CLIP_LEARNING_RATE, COUNT_NOISE_SHARE = 0.5, 0.2, 1 / 20
 """Quantile clipping's defaults (Andrew et al. 2021): γ, η, and σ_b as a share of the expected batch."""
 
@@ -118,6 +120,7 @@ class DPSGD:
         self._user_level: UserLevel | None = None
         self._clip_bound: QuantileClipBound | None = None
         self._restored_clip_bound: dict[str, Any] = {}
+        self._restored_mechanism: dict[str, Any] = {}  # the resumed checkpoint's clipping and unit
         self._unclipped = 0.0  # this step's centred count Σ(1[‖g‖ ≤ C_t] − ½) on this rank (private until noised)
         self._counting_open = False  # True while the before-noise hooks run: count_units may add to the count
         self._buffer: GradientBuffer | None = None
@@ -264,6 +267,8 @@ class DPSGD:
         self._open_ledger(delta, log_dir, resumed_from)
         self._buffer = self.world.gradient_buffer(list(trainable_parameters(self._module).values()), extra=2)
         self._start_clip_bound()
+        self._say_mechanism_changes()
+        self.history.open_dp_segment(run_id=self._ledger.run_id, facts=self._segment_facts())
         if self._buffer_handle is not None:
             self._buffer_handle.remove()
         self._buffer_handle = self.engine.register_summed_hook(self._buffer.receive)
@@ -382,6 +387,7 @@ class DPSGD:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a checkpoint's ledger (its run id, steps, σ and N, C_t): :meth:`start` picks it up."""
         self._ledger.restore(state)
+        self._restored_mechanism = {key: state.get(key) for key in MECHANISM_FACTS}
         if state.get("clip_mode") == "quantile":
             self._restored_clip_bound = {key: state.get(key) for key in ("clip_bound", "clip_quantile_estimate")}
 
@@ -442,6 +448,7 @@ class DPSGD:
         if self._clip_bound is not None:  # C_{t+1} from the noisy count (the same on every rank)
             self._clip_bound.update(float(buffer.extra[1]), self.expected_batch_size)
             self.engine.set_max_grad_norm(self._clip_bound.bound)
+            self.history.note_open_segment(clip_bound_end=self._clip_bound.bound)
         self._unclipped = 0.0
 
     def _noisy_local_count(self) -> float:
@@ -568,7 +575,6 @@ class DPSGD:
             restored = self._ledger.restored_noise_multiplier
             self._noise_multiplier = restored if restored is not None else self._calibrate(delta)
         self._announce_history(resumed=resumed_from is not None)
-        history.open_dp_segment(run_id=self._ledger.run_id, facts=self._segment_facts())
 
     def _count_steps_after_checkpoint(self, checkpoint: Path, log_dir: str | None) -> None:
         """Add to the history the DP steps this run's ledger file took after the resumed checkpoint (rank 0)."""
@@ -646,7 +652,35 @@ class DPSGD:
             "noise": self.noise_source.describe(),
             "noise_secure": self.noise_source.secure,
             **self._unit_facts(public_only=True),  # the weights' history holds no diagnostic (it outlives the run)
+            **self._mechanism_facts(),
         }
+
+    def _mechanism_facts(self) -> dict[str, Any]:
+        """How this segment bounds each unit's gradient: the clipping mode and its knobs (C at the start: C_0 or C_t)."""
+        facts: dict[str, Any] = {"clip_mode": self.settings.clip_mode}
+        if self.settings.clip_mode == "automatic":
+            facts["automatic_stability"] = self.engine.stability
+        if self._clip_bound is not None:
+            facts.update(
+                target_quantile=self._clip_bound.target_quantile, clip_learning_rate=self._clip_bound.learning_rate,
+                count_noise_multiplier=self._clip_bound.count_noise_multiplier,
+                clip_bound_start=self._clip_bound.bound, clip_bound_end=self._clip_bound.bound,
+            )  # fmt: skip
+        return facts
+
+    def _say_mechanism_changes(self) -> None:
+        """Say in one line what a resume changes of the resumed run's mechanism (clipping mode, C, k)."""
+        before = {key: value for key, value in self._restored_mechanism.items() if value is not None}
+        now = {**self._unit_facts(public_only=True), **self._mechanism_facts(), "max_grad_norm": self.settings.max_grad_norm}
+        changed = [f"{key} {before[key]!r} → {now.get(key)!r}" for key in MECHANISM_FACTS if key in before and before[key] != now.get(key)]
+        if not changed:
+            return
+        learned = self._restored_clip_bound.get("clip_bound") if self.settings.clip_mode != "quantile" else None
+        dropped = f"; the learned quantile bound C_t = {learned:.6g} is not used" if learned is not None else ""
+        self._warn(
+            f"DP-SGD: this resume changes the mechanism of run {self._ledger.run_id}: {', '.join(changed)}{dropped} "
+            "(the weights' privacy history records each segment's own)"
+        )
 
     # --- checks ----------------------------------------------------------------------------------------------------
 

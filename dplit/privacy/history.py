@@ -152,6 +152,11 @@ class PrivacyHistory:
         self._dp_step_pending = True
         self._explained = True
 
+    def note_open_segment(self, **facts: Any) -> None:
+        """Update public facts of the open DP segment (e.g. the quantile bound C_t it has reached)."""
+        if self._open is not None:
+            self._open.update(facts)
+
     def record_dp_steps(self, history: History, *, run_id: str, facts: dict[str, Any], note: str) -> None:
         """Add a closed DP segment of ``history``'s steps (steps known from a ledger, e.g. after an interrupt)."""
         if history:

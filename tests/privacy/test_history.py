@@ -319,3 +319,28 @@ def test_lightnings_tuner_is_refused_in_one_line(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"^Lightning's tuner \(LearningRateFinder"):
         Tuner(trainer).lr_find(make_model(), datamodule=RandomTokenData(), num_training=2)
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def _last_checkpoint(folder: Path) -> str:
+    return str(max(folder.rglob("*.ckpt"), key=lambda path: path.stat().st_mtime))
+
+
+def test_each_segment_records_its_mechanism_and_a_resume_that_changes_it_says_so(tmp_path: Path) -> None:
+    quantile = {"clip_mode": "quantile", "noise_multiplier": 1.0, "seed": None, "max_grad_norm": 1.0}
+    fit(tmp_path / "a", make_model(), max_steps=2, **quantile)
+    first = _last_checkpoint(tmp_path / "a")
+    trainer, _ = fit(tmp_path / "b", make_model(), max_steps=4, ckpt_path=first, **quantile)  # quantile again
+    segments = guarantee_after(trainer, tmp_path / "b")["privacy_history"]["segments"]
+    assert [segment["clip_mode"] for segment in segments] == ["quantile", "quantile"]
+    assert segments[0]["clip_bound_start"] == 1.0 and segments[0]["clip_bound_end"] != 1.0  # C_t moved
+    assert segments[1]["clip_bound_start"] == segments[0]["clip_bound_end"]  # restored, not reset
+    learned = segments[1]["clip_bound_end"]
+    fixed = {**quantile, "clip_mode": "fixed"}
+    second = _last_checkpoint(tmp_path / "b")
+    with pytest.warns(PrivacyWarning, match=r"this resume changes the mechanism .*clip_mode 'quantile' → 'fixed'") as seen:
+        trainer, _ = fit(tmp_path / "c", make_model(), max_steps=5, ckpt_path=second, **fixed)
+    line = next(str(w.message) for w in seen if "changes the mechanism" in str(w.message))
+    assert f"the learned quantile bound C_t = {learned:.6g} is not used" in line
+    segments = guarantee_after(trainer, tmp_path / "c")["privacy_history"]["segments"]
+    assert [segment["clip_mode"] for segment in segments] == ["quantile", "quantile", "fixed"]
+    assert "clip_bound_start" not in segments[2] and segments[2]["max_grad_norm"] == 1.0
