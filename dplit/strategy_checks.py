@@ -40,7 +40,9 @@ def check_trainer(trainer: Trainer, precision: Precision, *, planned: bool) -> N
 
 def refuse_tuner(trainer: Trainer) -> None:
     """Refuse Lightning's tuner (``lr_find``, ``scale_batch_size``): its trial steps train on the private data."""
-    tuning = next((type(c).__name__ for c in trainer.callbacks if isinstance(c, (LearningRateFinder, BatchSizeFinder))), None)
+    tuning = next(
+        (type(c).__name__ for c in trainer.callbacks if isinstance(c, (LearningRateFinder, BatchSizeFinder))), None
+    )
     if tuning is not None:
         raise ValueError(
             f"Lightning's tuner ({tuning}: Tuner.lr_find / scale_batch_size) cannot run with DPStrategy: its trial "

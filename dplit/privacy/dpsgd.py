@@ -560,7 +560,9 @@ class DPSGD:
         )
         if resumed_from is not None and self.world.rank == 0:
             self._count_steps_after_checkpoint(resumed_from, log_dir)
-        change = history.verify(self._weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change)
+        change = history.verify(
+            self._weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change
+        )
         if change is not None:
             self._warn(f"DP-SGD: {change}")
         history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history
@@ -599,7 +601,11 @@ class DPSGD:
         """Say in one line that this run continues the weights' privacy history, and warn if they are not DP."""
         history, accountant = self.history, self._accountant()
         if history.dp_steps:
-            bound = f", and {self.settings.flag_owner}.target_epsilon bounds the total" if self.settings.target_epsilon else ""
+            bound = (
+                f", and {self.settings.flag_owner}.target_epsilon bounds the total"
+                if self.settings.target_epsilon
+                else ""
+            )
             origin = "a resumed checkpoint" if resumed else "earlier training"
             self._say(
                 f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={accountant.epsilon():.4g} "
@@ -615,7 +621,9 @@ class DPSGD:
     def _calibrate(self, delta: float) -> float:
         """σ for which the weights' history plus this run's remaining planned steps spend ``target_epsilon``."""
         if not math.isfinite(self._planned_steps):
-            raise ValueError(f"{self.settings.flag_owner}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps")
+            raise ValueError(
+                f"{self.settings.flag_owner}.target_epsilon needs a finite trainer.max_epochs or trainer.max_steps"
+            )
         target, rate = self.settings.target_epsilon, self._sample_rate
         assert target is not None and rate is not None
         prior = self.history.accountant_history()
@@ -671,8 +679,16 @@ class DPSGD:
     def _say_mechanism_changes(self) -> None:
         """Say in one line what a resume changes of the resumed run's mechanism (clipping mode, C, k)."""
         before = {key: value for key, value in self._restored_mechanism.items() if value is not None}
-        now = {**self._unit_facts(public_only=True), **self._mechanism_facts(), "max_grad_norm": self.settings.max_grad_norm}
-        changed = [f"{key} {before[key]!r} → {now.get(key)!r}" for key in MECHANISM_FACTS if key in before and before[key] != now.get(key)]
+        now = {
+            **self._unit_facts(public_only=True),
+            **self._mechanism_facts(),
+            "max_grad_norm": self.settings.max_grad_norm,
+        }
+        changed = [
+            f"{key} {before[key]!r} → {now.get(key)!r}"
+            for key in MECHANISM_FACTS
+            if key in before and before[key] != now.get(key)
+        ]
         if not changed:
             return
         learned = self._restored_clip_bound.get("clip_bound") if self.settings.clip_mode != "quantile" else None
@@ -695,7 +711,9 @@ class DPSGD:
             "examples: a δ that large permits releasing whole examples"
         )
         if not self.settings.allow_large_delta:
-            raise ValueError(f"{message}; use δ ≤ N^-1.1 (the default) or set {self.settings.flag_owner}.allow_large_delta=true")
+            raise ValueError(
+                f"{message}; use δ ≤ N^-1.1 (the default) or set {self.settings.flag_owner}.allow_large_delta=true"
+            )
         self._warn(f"{message} (allowed by {self.settings.flag_owner}.allow_large_delta)")
 
     def _check_users_fit_a_micro_batch(self) -> None:

@@ -352,7 +352,9 @@ def inherited_history(pretrained: str | None) -> tuple[list[Segment], str | None
         return [], None
     if check.kind == "broken":
         reason = f"built from weights of unknown history (folder {folder.name}: {check.reason})"
-        return [{"kind": "non_private", "steps": 0, "reason": reason}], f"folder {folder.name}, weights of unknown history"
+        return [
+            {"kind": "non_private", "steps": 0, "reason": reason}
+        ], f"folder {folder.name}, weights of unknown history"
     history = (check.guarantee or {}).get("privacy_history") or {}
     origin = (history.get("origin") or {}).get("description") or "not recorded"
     segments = list(history.get("segments", []))

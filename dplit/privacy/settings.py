@@ -108,14 +108,20 @@ class DPSGDSettings:
         if self.target_delta is not None and not is_finite_number(self.target_delta, above=0, maximum=DELTA_MAX):
             raise ValueError(f"{self.flag_owner}.target_delta must be in (0, {DELTA_MAX}], got {self.target_delta}")
         if self.max_physical_batch_size < 1:
-            raise ValueError(f"{self.flag_owner}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}")
+            raise ValueError(
+                f"{self.flag_owner}.max_physical_batch_size must be ≥ 1, got {self.max_physical_batch_size}"
+            )
         _require_choice("clipping", self.clipping, CLIPPING_ENGINES, owner=self.flag_owner)
         _require_choice("clip_mode", self.clip_mode, CLIP_MODES, owner=self.flag_owner)
         self._check_clip_mode_knobs()
         _require_choice("tied_norm", self.tied_norm, TIED_NORMS, owner=self.flag_owner)
         _require_choice("accountant", self.accountant, ACCOUNTANTS, owner=self.flag_owner)
-        if self.public_change is not None and (not isinstance(self.public_change, str) or not self.public_change.strip()):
-            raise ValueError(f"{self.flag_owner}.public_change must be a non-empty statement of what was done, got {self.public_change!r}")
+        if self.public_change is not None and (
+            not isinstance(self.public_change, str) or not self.public_change.strip()
+        ):
+            raise ValueError(
+                f"{self.flag_owner}.public_change must be a non-empty statement of what was done, got {self.public_change!r}"
+            )
 
     def _check_clip_mode_knobs(self) -> None:
         """Each mode's own knobs in range, and none of them set under another mode (one line naming the flag)."""

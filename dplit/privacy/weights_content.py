@@ -8,22 +8,24 @@ is found whatever route it took. A tensor's version counter would miss an edit t
 The digest is a SHA-256 over every entry's name, full shape and values, chosen to be the same wherever the same
 values are held:
 
-* **dtype**: a floating tensor is hashed as float32 when its values are exactly float32 values (bfloat16, float16,
-  float32, and float64 holding float32 values, as a float32 model converted by ``trainer.precision="64-true"``),
-  as float64 otherwise; a lossless conversion does not look like a change, a rounding does;
+* **dtype**: a floating tensor is hashed in the narrowest of bfloat16, float32 and float64 that holds its values
+  exactly (a float32 model converted by ``trainer.precision="64-true"`` hashes as before; bfloat16 weights cost
+  their own 2 bytes per entry); a lossless conversion does not look like a change, a rounding does;
 * **sharding**: each dim-0 row is hashed on its own, and a FSDP2 ``DTensor`` (sharded on dim 0) hashes the rows its
   rank holds; the ranks' row digests are gathered in rank order, so a sharded model and the same model whole give
   the same digest;
 * **device**: tensors are read on the CPU.
 
-Cost: one pass of SHA-256 over the weights (float32 bytes: ~1.5 GB/s on a CPU core with SHA extensions) plus one
-hash call per row; ``python -m bench.content_digest`` measures it.
+Cost: one pass of SHA-256 over the weights in that dtype (~1.5 GB/s per CPU core with SHA extensions; tensors are
+hashed on a thread pool) plus one hash call per row; ``python -m bench.content_digest`` measures it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -37,6 +39,8 @@ Gather = Callable[[Any], list[Any]]
 def content_digest(state: Mapping[str, Any], *, gather: Gather | None = None) -> str:
     """SHA-256 (hex) of every tensor of ``state`` by name, full shape and value (see the module docstring).
 
+    Tensors are hashed on a pool of threads (hashlib releases the GIL), one tensor per task.
+
     Args:
         state: a state dict (plain tensors or dim-0-sharded ``DTensor`` s; other values are skipped).
         gather: collects the ranks' row digests when ``state`` holds ``DTensor`` s (every rank must call).
@@ -44,26 +48,32 @@ def content_digest(state: Mapping[str, Any], *, gather: Gather | None = None) ->
     Raises:
         ValueError: for a ``DTensor`` without ``gather``, or one not sharded on dim 0 alone.
     """
+    names = sorted(name for name, value in state.items() if isinstance(value, Tensor))
+    with ThreadPoolExecutor(max_workers=min(32, os.cpu_count() or 1)) as pool:
+        local = list(pool.map(lambda name: _local_rows_of(name, state[name]), names))
     digest = hashlib.sha256(b"dplit weights v1")
-    for name in sorted(state):
-        value = state[name]
-        if not isinstance(value, Tensor):
-            continue
-        rows = _row_digests(name, value, gather)
-        digest.update(f"{name} {tuple(value.shape)} {len(rows)}\n".encode())
+    for name, rows in zip(names, local, strict=True):
+        if isinstance(state[name], DTensor):
+            rows = _gathered(name, rows, gather)
+        digest.update(f"{name} {tuple(state[name].shape)} {len(rows)}\n".encode())
         digest.update(b"".join(rows))
     return digest.hexdigest()
 
 
-def _row_digests(name: str, value: Tensor, gather: Gather | None) -> list[bytes]:
-    """The SHA-256 of each dim-0 row of ``value`` (its dtype tag included), all ranks' rows for a ``DTensor``."""
+def _local_rows_of(name: str, value: Tensor) -> list[bytes]:
+    """The row digests of the rows this rank holds (a ``DTensor``'s local shard; checked to be dim-0 sharded)."""
     if not isinstance(value, DTensor):
         return _local_row_digests(value.detach())
-    if gather is None:
-        raise ValueError(f"content_digest: {name} is a sharded DTensor: pass gather (the ranks' collective)")
     if any(not placement.is_shard(dim=0) for placement in value.placements):
         raise ValueError(f"content_digest: {name} is not sharded on dim 0 alone ({value.placements})")
-    return [row for rank_rows in gather(_local_row_digests(value.to_local().detach())) for row in rank_rows]
+    return _local_row_digests(value.to_local().detach())
+
+
+def _gathered(name: str, rows: list[bytes], gather: Gather | None) -> list[bytes]:
+    """Every rank's row digests of one sharded tensor, in rank order (its rows in order)."""
+    if gather is None:
+        raise ValueError(f"content_digest: {name} is a sharded DTensor: pass gather (the ranks' collective)")
+    return [row for rank_rows in gather(rows) for row in rank_rows]
 
 
 def _local_row_digests(tensor: Tensor) -> list[bytes]:
@@ -82,9 +92,12 @@ def _sha256(tag: bytes, row: Any) -> bytes:
 
 
 def _canonical(tensor: Tensor) -> Tensor:
-    """``tensor`` as float32 when that holds its values exactly, as float64 when not; non-floating unchanged."""
+    """``tensor`` in the narrowest of bfloat16, float32, float64 that holds its values exactly (non-floating: as is)."""
     if not tensor.is_floating_point():
         return tensor
+    narrow = tensor.bfloat16()
+    if torch.equal(narrow.to(tensor.dtype), tensor):
+        return narrow
     single = tensor.float()
     if tensor.dtype == torch.float64 and not torch.equal(single.double(), tensor):
         return tensor

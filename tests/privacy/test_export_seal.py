@@ -37,7 +37,9 @@ def sealed_export(folder: Path, *, files: tuple[str, ...] = ("model.safetensors"
 
 
 def test_an_intact_export_is_sealed_both_ways(tmp_path: Path) -> None:
-    folder = sealed_export(tmp_path / "export", files=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"))
+    folder = sealed_export(
+        tmp_path / "export", files=("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    )
     check = check_export(folder)
     assert check.kind == "sealed" and check.guarantee is not None
     digest = guarantee_digest(GUARANTEE)
@@ -94,15 +96,24 @@ def _card_only(folder: Path) -> None:
 
 
 ROUTES = {
-    "guarantee not copied": (_drop_guarantee, "model.safetensors belongs to a dplit export, but its dp_guarantee.json is missing"),
-    "weights alone": (_weights_only, "model.safetensors belongs to a dplit export, but its dp_guarantee.json is missing"),
+    "guarantee not copied": (
+        _drop_guarantee,
+        "model.safetensors belongs to a dplit export, but its dp_guarantee.json is missing",
+    ),
+    "weights alone": (
+        _weights_only,
+        "model.safetensors belongs to a dplit export, but its dp_guarantee.json is missing",
+    ),
     "weights re-saved": (_resave_weights, "model.safetensors is not the file exported with dp_guarantee.json"),
     "history edited": (_edit_history, "dp_guarantee.json was changed after the export"),
     "seal removed": (_remove_seal, "has no seal binding it to the weight files"),
     "file added": (_add_weight_file, "the weight file extra.safetensors was not part of the export"),
     "file removed": (_remove_weight_file, "the exported weight file model.safetensors is missing"),
     "bin beside": (_bin_beside, "the weight file pytorch_model.bin was not part of the export"),
-    "card without guarantee": (_card_only, "README.md is a dplit model card, but the export's dp_guarantee.json is missing"),
+    "card without guarantee": (
+        _card_only,
+        "README.md is a dplit model card, but the export's dp_guarantee.json is missing",
+    ),
 }
 
 

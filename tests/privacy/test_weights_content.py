@@ -20,6 +20,7 @@ def test_lossless_dtype_conversions_keep_the_digest_and_a_one_ulp_change_does_no
     bf16 = {name: value.bfloat16() if value.is_floating_point() else value for name, value in base.items()}
     widened = {name: value.float() if value.is_floating_point() else value for name, value in bf16.items()}
     assert content_digest(bf16) == content_digest(widened) != digest  # the rounding to bfloat16 is a change
+    assert content_digest({**base, "a.weight": base["a.weight"].bfloat16().double()}) != digest
     nudged = {**base, "a.weight": base["a.weight"].clone()}
     nudged["a.weight"][2, 1] = torch.nextafter(nudged["a.weight"][2, 1], torch.tensor(10.0))
     assert content_digest(nudged) != digest
