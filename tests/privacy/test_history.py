@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
@@ -159,6 +161,11 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     export_checkpoint(first, tmp_path / "export")
     segments, origin = inherited_history(str(tmp_path / "export"))
     assert segments[0]["accountant"] == [[1.0, 0.1, 3]] and origin is not None and "seal intact" in origin
+    edited = _trained_further_by_plain_transformers(tmp_path / "export", tmp_path / "edited")
+    from_edited = ["--model.config", "null", "--model.pretrained", str(edited)]
+    cli = run_cli(["fit", *quickstart_args(tmp_path / "from-edited", *steps(1), *sigma, *from_edited)])
+    reason = cli.model.privacy_history.reason_not_private()
+    assert reason is not None and "model.safetensors is not the file exported with dp_guarantee.json" in reason
     built = ["--model.config", "null", "--model.pretrained", str(tmp_path / "export")]
     cli = run_cli(["fit", *quickstart_args(tmp_path / "second", *steps(2), *sigma, *built)])
     assert cli.model.privacy_history.dp_steps == 5
@@ -179,6 +186,20 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     error = refusal_line(run_dplit_in_process("fit", *spent))
     assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in error
     assert not list((tmp_path / "third").rglob("*.ckpt"))
+
+
+def _trained_further_by_plain_transformers(export: Path, folder: Path) -> Path:
+    """A copy of ``export`` whose weights took 3 AdamW steps through plain transformers, saved back in place."""
+    shutil.copytree(export, folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, model.config.vocab_size, (4, 8))
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    model.save_pretrained(folder)
+    return folder
 
 
 def test_an_old_checkpoint_gets_the_history_its_ledger_implies() -> None:
