@@ -14,8 +14,13 @@ from typing import Any
 
 import torch
 
+from dplit.privacy.weights_content import content_digest
+
 DIGEST_KEY = "dplit_digest"
-"""The checkpoint entry holding :func:`digest_of` of each sealed part."""
+"""The checkpoint entry holding the digest of each sealed part."""
+WEIGHTS_PART = "weights"
+"""The sealed part holding the content digest of ``checkpoint["state_dict"]`` (``"state_dict"``: the byte digest of
+:func:`weights_digest`, in checkpoints written before 2026-12-07, still checked)."""
 
 
 def weights_digest(state_dict: Mapping[str, Any]) -> str:
@@ -34,8 +39,13 @@ def weights_digest(state_dict: Mapping[str, Any]) -> str:
 
 
 def record_digest(checkpoint: dict[str, Any], part: str) -> None:
-    """Seal ``checkpoint[part]`` (``"state_dict"`` or a plain-data entry) in ``checkpoint[DIGEST_KEY]``."""
+    """Seal ``checkpoint[part]`` (a plain-data entry) in ``checkpoint[DIGEST_KEY]``."""
     checkpoint.setdefault(DIGEST_KEY, {})[part] = _digest(checkpoint[part], part)
+
+
+def record_weights_digest(checkpoint: dict[str, Any], digest: str) -> None:
+    """Seal ``checkpoint["state_dict"]`` by its content digest (computed once by the caller, who seals the history)."""
+    checkpoint.setdefault(DIGEST_KEY, {})[WEIGHTS_PART] = digest
 
 
 def check_digests(checkpoint: dict[str, Any], *, source: str) -> None:
@@ -49,17 +59,20 @@ def check_digests(checkpoint: dict[str, Any], *, source: str) -> None:
         ValueError: in one line naming ``source`` and the part that does not match.
     """
     for part, recorded in (checkpoint.get(DIGEST_KEY) or {}).items():
-        if part not in checkpoint or _digest(checkpoint[part], part) != recorded:
+        entry = "state_dict" if part == WEIGHTS_PART else part
+        if entry not in checkpoint or _digest(checkpoint[entry], part) != recorded:
             raise ValueError(
                 f"{source}: its {_PARTS.get(part, part)} do not match the digest dplit recorded when it wrote the "
                 "file (damaged or modified since): refusing to use it; resume or export an intact checkpoint"
             )
 
 
-_PARTS = {"state_dict": "weights", "dplit_privacy": "privacy ledger", "dplit_privacy_history": "privacy history"}
+_PARTS = {WEIGHTS_PART: "weights", "state_dict": "weights", "dplit_privacy": "privacy ledger", "dplit_privacy_history": "privacy history"}
 
 
 def _digest(value: Any, part: str) -> str:
+    if part == WEIGHTS_PART:
+        return content_digest(value)
     if part == "state_dict":
         return weights_digest(value)
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=repr).encode()).hexdigest()

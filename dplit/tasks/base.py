@@ -42,7 +42,7 @@ from dplit.backbone.quantization import (
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_history
-from dplit.privacy.integrity import record_digest
+from dplit.privacy.integrity import record_digest, record_weights_digest
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.weights_content import Gather, content_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
@@ -292,13 +292,14 @@ class CausalLMModule(LightningModule, ABC):
         checkpoint[RELEASE_KEY] = release_record(self, datamodule)
         drop_quantized_weights(self, checkpoint["state_dict"])  # the frozen base's: model.pretrained holds them
         if checkpoint["state_dict"]:  # (empty on the ranks a sharded checkpoint is not gathered on)
-            self._seal_weights(content_digest(checkpoint["state_dict"]))
+            digest = content_digest(checkpoint["state_dict"])
+            self._seal_weights(digest)
+            record_weights_digest(checkpoint, digest)
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
         checkpoint[BACKBONE_KEY] = backbone_config(self.backbone)
         tokenizer = getattr(datamodule, "tokenizer", None)
         if isinstance(tokenizer, PreTrainedTokenizerBase):
             checkpoint[TOKENIZER_KEY] = tokenizer_files(tokenizer)
-        record_digest(checkpoint, "state_dict")
         record_digest(checkpoint, HISTORY_KEY)
 
     def _seal_weights(self, digest: str) -> None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dplit.cli.lightning_cli import run_cli
-from dplit.privacy.integrity import DIGEST_KEY, check_digests, weights_digest
+from dplit.privacy.integrity import DIGEST_KEY, check_digests
+from dplit.privacy.weights_content import content_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.export import export_checkpoint
 from tests.helpers.commands import quickstart_args, steps
@@ -43,8 +44,9 @@ def tampered(checkpoint: Path, folder: Path, change: str) -> Path:
 
 def test_every_checkpoint_records_the_digest_of_its_weights_history_and_ledger(trained: Path) -> None:
     state = torch.load(trained, map_location="cpu", weights_only=True)
-    assert set(state[DIGEST_KEY]) == {"state_dict", "dplit_privacy_history", CHECKPOINT_KEY}
-    assert state[DIGEST_KEY]["state_dict"] == weights_digest(state["state_dict"])
+    assert set(state[DIGEST_KEY]) == {"weights", "dplit_privacy_history", CHECKPOINT_KEY}
+    assert state[DIGEST_KEY]["weights"] == content_digest(state["state_dict"])
+    assert state["dplit_privacy_history"]["digest"] == content_digest(state["state_dict"])  # one hash seals both
     check_digests(state, source="the file")  # intact: accepted
 
 
