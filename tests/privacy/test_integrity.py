@@ -9,8 +9,8 @@ import torch
 
 from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.integrity import DIGEST_KEY, check_digests
-from dplit.privacy.weights_content import content_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.privacy.weights_content import content_digest
 from dplit.release.export import export_checkpoint
 from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import refusal_line, run_dplit_in_process
