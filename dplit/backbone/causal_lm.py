@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import StrictDataclassError
 from transformers import (
     CONFIG_MAPPING,
@@ -77,6 +78,26 @@ def build_causal_lm(
             f"the tokenizer has {vocab_size} tokens but model.pretrained={pretrained!r} has only {rows} embeddings"
         )
     return model
+
+
+def downloaded_folder(name: str, *, cache_dir: str | Path | None = None, fetch: tuple[str, ...] = ()) -> Path | None:
+    """The local snapshot folder a hub model's files were downloaded to (``None``: not a downloaded hub model).
+
+    Args:
+        name: the hub name ``from_pretrained`` loaded.
+        cache_dir: the hub cache (default: Hugging Face's).
+        fetch: further files of the repository to download beside the weights when it has them (offline or
+            absent: skipped), e.g. dplit's ``dp_guarantee.json``.
+    """
+    config = try_to_load_from_cache(name, "config.json", cache_dir=cache_dir)
+    if not isinstance(config, str):
+        return None
+    for filename in fetch:
+        try:
+            hf_hub_download(name, filename, cache_dir=cache_dir)
+        except Exception:  # noqa: BLE001  absent, offline, unreachable: without the file a marked export stays not private
+            continue
+    return Path(config).parent
 
 
 REWRITTEN_ROPE_TYPES = ("longrope",)

@@ -331,31 +331,32 @@ def history_of_ledger(ledger: dict[str, Any]) -> list[Segment]:
     ]
 
 
-def inherited_history(pretrained: str | None) -> tuple[list[Segment], str | None]:
-    """The history a model built from ``pretrained`` starts with, and how its origin describes that folder.
+def inherited_history(pretrained: str | Path | None, *, name: str | None = None) -> tuple[list[Segment], str | None]:
+    """The history a model built from the folder ``pretrained`` starts with, and how its origin describes it.
 
     An intact (sealed) dplit export brings its guarantee's privacy history; a folder that carries a trace of dplit
     (a guarantee, a card, or weight files marked by an export) whose seal does not hold brings one segment of
-    weights of unknown history (not private); anything else (a hub name, another folder) brings nothing.
+    weights of unknown history (not private); anything else (another folder, ``None``) brings nothing.
+
+    Args:
+        pretrained: the local folder the weights were loaded from (a hub model's downloaded snapshot included).
+        name: how to name it (default: the folder's name; a hub model's name for its snapshot).
 
     Returns:
         The inherited segments, and the starting point's description for an export or a broken one (``None``:
         the caller describes a plain source).
     """
-    if pretrained is None:
+    if pretrained is None or not Path(pretrained).expanduser().is_dir():
         return [], None
     folder = Path(pretrained).expanduser()
-    if not folder.is_dir():
-        return [], None
+    shown = name or f"folder {folder.resolve().name}"
     check = check_export(folder)
     if check.kind == "plain":
         return [], None
     if check.kind == "broken":
-        reason = f"built from weights of unknown history (folder {folder.name}: {check.reason})"
-        return [
-            {"kind": "non_private", "steps": 0, "reason": reason}
-        ], f"folder {folder.name}, weights of unknown history"
+        reason = f"built from weights of unknown history ({shown}: {check.reason})"
+        return [{"kind": "non_private", "steps": 0, "reason": reason}], f"{shown}, weights of unknown history"
     history = (check.guarantee or {}).get("privacy_history") or {}
     origin = (history.get("origin") or {}).get("description") or "not recorded"
     segments = list(history.get("segments", []))
-    return segments, f"dplit export {folder.name} (seal intact; its history starts from {origin})"
+    return segments, f"dplit export {name or folder.resolve().name} (seal intact; its history starts from {origin})"

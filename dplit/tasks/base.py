@@ -29,7 +29,7 @@ from dplit.backbone.adapters import (
     set_embeddings_trainable,
     trainable_counts,
 )
-from dplit.backbone.causal_lm import build_causal_lm
+from dplit.backbone.causal_lm import build_causal_lm, downloaded_folder
 from dplit.backbone.checkpointing import enable_activation_checkpointing
 from dplit.backbone.embeddings import EmbeddingPolicy, UntiedEmbeddings
 from dplit.backbone.quantization import (
@@ -41,7 +41,13 @@ from dplit.backbone.quantization import (
 )
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
-from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint, inherited_history
+from dplit.privacy.history import (
+    GUARANTEE_FILE,
+    HISTORY_KEY,
+    PrivacyHistory,
+    history_in_checkpoint,
+    inherited_history,
+)
 from dplit.privacy.integrity import record_digest, record_weights_digest
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.weights_content import Gather, content_digest
@@ -140,9 +146,7 @@ class CausalLMModule(LightningModule, ABC):
         check_optimizer_settings(lr, weight_decay, betas, warmup_steps, lr_schedule)
         require_finite_number(checkpointed_share, name="model.checkpointed_share", above=0, maximum=1)
         self._freeze = list(freeze or [])
-        inherited, inherited_from = inherited_history(pretrained)
-        self.privacy_history = PrivacyHistory(inherited)
-        self._origin = inherited_from or starting_point(pretrained=pretrained, gguf_file=gguf_file)
+        self.privacy_history = PrivacyHistory()
         self.register_load_state_dict_post_hook(lambda *_: self.privacy_history.weights_loaded())
         self._step_hooks: list[Any] = []
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
@@ -157,6 +161,7 @@ class CausalLMModule(LightningModule, ABC):
             attn_implementation=attn_implementation,
             quantization=quantization_config(quantization) if quantization is not None else None,
         )
+        self._origin = self._inherit_history(pretrained, gguf_file)
         _check_max_length(max_length, self.max_positions)
         self.embeddings.apply(self.backbone)
         if gradient_checkpointing:
@@ -170,6 +175,16 @@ class CausalLMModule(LightningModule, ABC):
             apply_adapters(self.backbone, peft, train_embeddings=bool(train_embeddings))
         elif train_embeddings is not None:
             set_embeddings_trainable(self.backbone, train_embeddings)
+
+    def _inherit_history(self, pretrained: str | None, gguf_file: str | None) -> str:
+        """Continue the history of the folder (or downloaded hub snapshot) the weights came from; their origin."""
+        if pretrained is None or Path(pretrained).expanduser().is_dir():
+            inherited, inherited_from = inherited_history(pretrained)
+        else:  # a hub model: its downloaded files, with the repository's dp_guarantee.json when it has one
+            snapshot = downloaded_folder(pretrained, fetch=(GUARANTEE_FILE, "README.md"))
+            inherited, inherited_from = inherited_history(snapshot, name=f"hub model {pretrained}")
+        self.privacy_history.extend(inherited)
+        return inherited_from or starting_point(pretrained=pretrained, gguf_file=gguf_file)
 
     @classmethod
     def argument_names(cls) -> frozenset[str]:

@@ -140,3 +140,40 @@ def test_a_folder_without_any_trace_of_dplit_is_a_plain_base(tmp_path: Path) -> 
     save_file({"weight": torch.zeros(3, 2)}, str(plain / "model.safetensors"), metadata={"format": "pt"})
     (plain / "README.md").write_text("# gpt2\n")
     assert check_export(plain).kind == "plain" and inherited_history(str(plain)) == ([], None)
+
+
+def hub_cache_with(tmp_path: Path, folder: Path, files: tuple[str, ...]) -> Path:
+    """A Hugging Face hub cache holding ``files`` of ``folder`` as the downloaded snapshot of ``org/private-sft``."""
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--private-sft"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    for name in files:
+        shutil.copy(folder / name, snapshot / name)
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("files", "kind"),
+    [
+        (("config.json", "model.safetensors", GUARANTEE_FILE), "sealed"),  # pushed with its guarantee
+        (("config.json", "model.safetensors"), "broken"),  # the weights pushed alone
+    ],
+    ids=["with guarantee", "weights alone"],
+)
+def test_a_dplit_export_pushed_to_the_hub_is_found_in_its_downloaded_snapshot(
+    tmp_path: Path, files: tuple[str, ...], kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dplit.backbone.causal_lm import downloaded_folder
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the guarantee is fetched only when the hub answers: not here
+    cache = hub_cache_with(tmp_path, sealed_export(tmp_path / "export"), files)
+    snapshot = downloaded_folder("org/private-sft", cache_dir=cache, fetch=(GUARANTEE_FILE,))
+    assert snapshot is not None and snapshot.name == "0" * 40
+    assert check_export(snapshot).kind == kind
+    segments, origin = inherited_history(snapshot, name="hub model org/private-sft")
+    assert origin is not None and origin.startswith("dplit export hub model org/private-sft" if kind == "sealed" else "hub model org/private-sft, weights of unknown history")
+    assert (PrivacyHistory(segments).reason_not_private() is None) == (kind == "sealed")
+    assert downloaded_folder("org/never-downloaded", cache_dir=cache) is None
