@@ -15,14 +15,98 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-from dplit.privacy.settings import FLAG_OWNER
+from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
+
+AUTOMATIC_STABILITY = 0.01
+"""Automatic clipping's default γ (Bu et al. 2023)."""
+TARGET_QUANTILE, CLIP_LEARNING_RATE, COUNT_NOISE_SHARE = 0.5, 0.2, 1 / 20
+"""Quantile clipping's defaults (Andrew et al. 2021): γ, η, and σ_b as a share of the expected batch."""
 
 
-class QuantileClipBound:
+class FixedBound:
+    """C = ``max_grad_norm`` at every step: the base of every bound (no count, σ as accounted, nothing to restore)."""
+
+    mode = "fixed"
+
+    def __init__(self, max_grad_norm: float) -> None:
+        self.bound = float(max_grad_norm)
+        """The bound C_t the mechanism claims for the next step (the noise's scale is σ·C_t)."""
+        self.last_estimate: float | None = None
+        """Quantile mode: the last step's noisy share of unclipped units (public); ``None`` in the other modes."""
+
+    def count(self, norms: Tensor) -> None:
+        """Count units this rank clipped in this step (quantile mode only)."""
+
+    def local_count(self, noise: Callable[[float], float]) -> float:
+        """This rank's count for this step (``noise(σ_b)`` adds the count's noise on the rank that draws it): 0."""
+        return 0.0
+
+    def update(self, noisy_count: float, expected_batch: float) -> None:
+        """Move C from the step's noisy count summed over ranks (quantile mode only)."""
+
+    def gradient_noise_multiplier(self, noise_multiplier: float) -> float:
+        """The gradient's noise multiplier for the accounted σ: σ itself."""
+        return noise_multiplier
+
+    def facts(self) -> dict[str, Any]:
+        """The mode and its knobs, as the ledger, the card and the history state them."""
+        return {"clip_mode": self.mode}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run continues from (nothing here)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint (nothing to restore here)."""
+
+
+class AutomaticBound(FixedBound):
+    """Automatic clipping: the engine scales every unit by C / (‖g‖ + γ); C only scales the update.
+
+    Args:
+        max_grad_norm: C.
+        stability: γ > 0 (default :data:`AUTOMATIC_STABILITY`).
+    """
+
+    mode = "automatic"
+
+    def __init__(self, max_grad_norm: float, stability: float | None = None) -> None:
+        super().__init__(max_grad_norm)
+        self.stability = stability if stability is not None else AUTOMATIC_STABILITY
+
+    def facts(self) -> dict[str, Any]:
+        """The mode and γ."""
+        return {**super().facts(), "automatic_stability": self.stability}
+
+
+def clip_bound_for(settings: DPSGDSettings, *, expected_batch: float) -> FixedBound:
+    """The bound ``settings.clip_mode`` names, with its defaults (σ_b from the expected batch ``expected_batch``)."""
+    if settings.clip_mode == "automatic":
+        return AutomaticBound(settings.max_grad_norm, settings.automatic_stability)
+    if settings.clip_mode == "quantile":
+        return QuantileClipBound(
+            initial=settings.max_grad_norm,
+            target_quantile=settings.target_quantile or TARGET_QUANTILE,
+            learning_rate=settings.clip_learning_rate or CLIP_LEARNING_RATE,
+            count_noise_multiplier=settings.count_noise_multiplier or COUNT_NOISE_SHARE * expected_batch,
+            flag_owner=settings.flag_owner,
+        )
+    return FixedBound(settings.max_grad_norm)
+
+
+def automatic_stability(settings: DPSGDSettings) -> float | None:
+    """γ of automatic clipping for the engine (``None`` in the other modes: clip to C)."""
+    if settings.clip_mode != "automatic":
+        return None
+    return settings.automatic_stability if settings.automatic_stability is not None else AUTOMATIC_STABILITY
+
+
+class QuantileClipBound(FixedBound):
     """C_t tracked privately towards the γ-quantile of the per-example gradient norms.
 
     Args:
@@ -33,21 +117,40 @@ class QuantileClipBound:
         flag_owner: the strategy whose flags a refusal names.
     """
 
+    mode = "quantile"
+
     def __init__(
         self, *, initial: float, target_quantile: float, learning_rate: float, count_noise_multiplier: float,
         flag_owner: str = FLAG_OWNER,
     ) -> None:  # fmt: skip
+        super().__init__(initial)
         self.flag_owner = flag_owner
-        self.bound = float(initial)
+        self.start = self.bound
         self.target_quantile = target_quantile
         self.learning_rate = learning_rate
         self.count_noise_multiplier = count_noise_multiplier
-        self.last_estimate: float | None = None
-        """The last step's noisy share of unclipped examples (public: it is part of the released mechanism)."""
+        self._unclipped = 0.0  # this step's centred count on this rank (private until noised)
 
     def centred_count(self, norms: Tensor) -> float:
         """Σ (1[‖g‖ ≤ C_t] − ½) over ``norms`` (this rank's units): sensitivity ½ (private, before its noise)."""
         return float((norms <= self.bound).sum()) - 0.5 * norms.numel()
+
+    def count(self, norms: Tensor) -> None:
+        """Add ``norms``' centred count to this rank's count of the step."""
+        self._unclipped += self.centred_count(norms)
+
+    def local_count(self, noise: Callable[[float], float]) -> float:
+        """This rank's centred count plus ``noise(σ_b)`` (N(0, σ_b²) on the rank that draws it, 0 elsewhere)."""
+        count, self._unclipped = self._unclipped + noise(self.count_noise_multiplier), 0.0
+        return count
+
+    def facts(self) -> dict[str, Any]:
+        """The mode, γ, η, σ_b and C_t (its value at the start of the segment and now)."""
+        return {
+            **super().facts(), "target_quantile": self.target_quantile, "clip_learning_rate": self.learning_rate,
+            "count_noise_multiplier": self.count_noise_multiplier, "clip_bound_start": self.start,
+            "clip_bound_end": self.bound,
+        }  # fmt: skip
 
     def update(self, noisy_centred_count: float, expected_batch: float) -> None:
         """C ← C · exp(−η (b̃ − γ)) with b̃ = (noisy centred count + B/2) / B, B the public expected batch."""
@@ -73,5 +176,5 @@ class QuantileClipBound:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's C_t (bit for bit)."""
         if state.get("clip_bound") is not None:
-            self.bound = float(state["clip_bound"])
+            self.bound = self.start = float(state["clip_bound"])
             self.last_estimate = state.get("clip_quantile_estimate")

@@ -180,7 +180,7 @@ def test_a_planned_run_asks_the_accountant_for_epsilon_a_bounded_number_of_times
     calls: list[dict[str, Any]] = []
     epsilon = PrivacyAccountant.epsilon
     monkeypatch.setattr(PrivacyAccountant, "epsilon", lambda self, **kw: calls.append(kw) or epsilon(self, **kw))
-    monkeypatch.setattr("dplit.privacy.dpsgd.EPSILON_OVERHEAD", 0.0)
+    monkeypatch.setattr("dplit.privacy.budget.EPSILON_OVERHEAD", 0.0)
     model = make_model("untied")
     dpsgd, loader = make_dpsgd(model, noise_multiplier=None, target_epsilon=4.0, clipping="per_example")
     dpsgd.start(planned_steps=8)

@@ -15,8 +15,8 @@ from dplit.backbone.embeddings import TiedEmbeddings
 from dplit.cli.lightning_cli import run_cli
 from dplit.data.batches import PadCollator, TokenizedDataset
 from dplit.privacy.accounting import default_delta
-from dplit.privacy.clipping.units import UNIT_KEY, units_of
-from dplit.privacy.dpsgd import DPSGD, split_batch
+from dplit.privacy.clipping.units import UNIT_KEY, split_batch, units_of
+from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE, history_steps
 from dplit.privacy.settings import DPSGDSettings

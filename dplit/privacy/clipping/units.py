@@ -9,7 +9,7 @@ computes each unit's exact norm and clipped sum unchanged. Without ``UNIT_KEY`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -92,3 +92,41 @@ def without_units(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def unit_sums(values: Tensor, units: Units) -> Tensor:
     """Per-row ``values`` [B] summed per unit [U] (e.g. the losses of a unit's rows)."""
     return values.new_zeros(units.count).index_add_(0, units.unit, values)
+
+
+# --- cutting a logical batch into micro-batches, units whole ----------------------------------------------------------
+
+
+def batch_size(batch: Mapping[str, Tensor]) -> int:
+    """The number of rows in ``batch``."""
+    return next(iter(batch.values())).shape[0]
+
+
+def split_batch(batch: Mapping[str, Tensor], size: int) -> Iterator[dict[str, Tensor]]:
+    """Micro-batches of at most ``size`` rows (none for an empty batch); a unit's rows are never split.
+
+    With ``batch[UNIT_KEY]`` whole units are packed in order into micro-batches of at most ``size`` rows (a unit has
+    at most ``size`` rows: checked when the run starts).
+    """
+    units = units_of(batch)
+    if units is None:
+        for start in range(0, batch_size(batch), size):
+            yield {key: value[start : start + size] for key, value in batch.items()}
+        return
+    order = torch.argsort(units.unit, stable=True)  # rows grouped by unit
+    counts = torch.bincount(units.unit, minlength=units.count).tolist()
+    chunk: list[Tensor] = []
+    taken = 0
+    for rows in order.split(counts):
+        if taken and taken + len(rows) > size:
+            yield {key: value[torch.cat(chunk)] for key, value in batch.items()}
+            chunk, taken = [], 0
+        chunk.append(rows)
+        taken += len(rows)
+    if chunk:
+        yield {key: value[torch.cat(chunk)] for key, value in batch.items()}
+
+
+def placeholder_example(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """One all-zero row shaped like ``batch``'s (at least one position): a forward pass that clips nothing real."""
+    return {key: value.new_zeros((1, *(max(1, size) for size in value.shape[1:]))) for key, value in batch.items()}
