@@ -81,7 +81,9 @@ class PrivacyBudget:
         self.ledger.open(delta=delta, mechanism=settings.accountant, directory=directory)
         if resumed_from is not None and self.world.rank == 0:
             self._count_steps_after_checkpoint(resumed_from, log_dir, segment_facts())
-        change = history.verify(weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change)
+        change = history.verify(
+            weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change
+        )
         if change is not None:
             warn(self.world, f"DP-SGD: {change}")
         history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history

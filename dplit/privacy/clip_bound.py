@@ -18,8 +18,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
+from dplit.privacy.clipping import build_engine
+from dplit.privacy.clipping.engine import ClippingEngine
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 
 AUTOMATIC_STABILITY = 0.01
@@ -99,11 +101,13 @@ def clip_bound_for(settings: DPSGDSettings, *, expected_batch: float) -> FixedBo
     return FixedBound(settings.max_grad_norm)
 
 
-def automatic_stability(settings: DPSGDSettings) -> float | None:
-    """γ of automatic clipping for the engine (``None`` in the other modes: clip to C)."""
-    if settings.clip_mode != "automatic":
-        return None
-    return settings.automatic_stability if settings.automatic_stability is not None else AUTOMATIC_STABILITY
+def clipping_engine(module: nn.Module, settings: DPSGDSettings) -> ClippingEngine:
+    """The clipping engine ``settings.clipping`` names, built for ``module`` (automatic mode: scaling by γ)."""
+    options = {"tied_norm": settings.tied_norm} if settings.clipping == "ghost" else {}
+    stability = None
+    if settings.clip_mode == "automatic":
+        stability = settings.automatic_stability if settings.automatic_stability is not None else AUTOMATIC_STABILITY
+    return build_engine(settings.clipping, module, max_grad_norm=settings.max_grad_norm, stability=stability, **options)
 
 
 class QuantileClipBound(FixedBound):

@@ -35,8 +35,8 @@ from torch.utils.hooks import RemovableHandle
 
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
 from dplit.privacy.budget import PrivacyBudget
-from dplit.privacy.clip_bound import FixedBound, automatic_stability, clip_bound_for
-from dplit.privacy.clipping import GhostEngine, build_engine
+from dplit.privacy.clip_bound import FixedBound, clip_bound_for, clipping_engine
+from dplit.privacy.clipping import GhostEngine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.clipping.units import UNIT_KEY, batch_size, placeholder_example, split_batch, units_of
@@ -44,7 +44,8 @@ from dplit.privacy.fingerprint import IndexedRows
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
-from dplit.privacy.sampling import poisson_loader
+from dplit.privacy.run_facts import MECHANISM_FACTS, mechanism_changes, segment_facts, unit_facts
+from dplit.privacy.sampling import poisson_loader, size_and_rate
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.start_checks import check_start
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
@@ -53,15 +54,13 @@ from dplit.privacy.warnings import say, warn
 from dplit.privacy.weights_content import content_digest
 from dplit.privacy.world import SingleProcess, World
 
-__all__ = ["DPSGD", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
+__all__ = ["DPSGD", "MECHANISM_FACTS", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
 
 SumHook = Callable[["DPSGD", Tensor], None]
 """``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
 that writes to it changes what is released (only an audit's canaries, or its deliberately broken mechanisms, do)."""
 STOP_SLOT, COUNT_SLOT = 0, 1
 """The all-reduce's two extra slots: rank 0's stop flag, and the quantile bound's centred count (noised once)."""
-MECHANISM_FACTS = ("clip_mode", "max_grad_norm", "max_rows_per_user")
-"""The facts of a run's mechanism a resume may change (said in one line; the privacy unit and N it may not)."""
 NO_NOISE_WARNING = (
     f"{FLAG_OWNER}.noise_multiplier=0: NO NOISE is added, so this run is NOT differentially private (ε = ∞); "
     "clipping alone protects nothing"
@@ -123,7 +122,7 @@ class DPSGD:
         """
         self._users = user_level_of(loader.dataset)
         units = self._users.users if self._users is not None else len(loader.dataset)  # type: ignore[arg-type]
-        self._dataset_size, self._sample_rate = _size_and_rate(loader, units, users=self._users is not None)
+        self._dataset_size, self._sample_rate = size_and_rate(loader, units, users=self._users is not None)
         self._rows = loader.dataset  # type: ignore[assignment]
         self.bound = clip_bound_for(self.settings, expected_batch=self.expected_batch_size)
         seed = self.noise_source.seed("sampling", steps=self.budget.steps)  # the sampler mixes in the rank
@@ -212,7 +211,9 @@ class DPSGD:
         buffer.extra[STOP_SLOT] = float(stop_after)
         buffer.extra[COUNT_SLOT] = self.bound.local_count(self._count_noise)
         std = self.gradient_noise_multiplier * self.bound.bound  # the claimed C_t, whatever the engine clipped to
-        self.world.noisy_sum(buffer, std=std, generator=self._noise_generator)
+        steps, device = self.budget.steps, buffer.flat.device
+        generator = lambda rank: self.noise_source.step_generator(rank, steps=steps, device=device)  # noqa: E731
+        self.world.noisy_sum(buffer, std=std, generator=generator)
         buffer.refuse_non_finite(step=self.budget.steps + 1)
         _call(self._after_noise, self, buffer.gradients)
         stop = bool(buffer.extra[STOP_SLOT] > 0)  # rank 0's decision, so every rank stops after the same step
@@ -358,7 +359,8 @@ class DPSGD:
             "noise_multiplier": sigma, "max_grad_norm": settings.max_grad_norm, "sample_rate": self._sample_rate,
             "dataset_size": self._dataset_size, "target_epsilon": settings.target_epsilon,
             "expected_batch_size": expected, "epsilon_steps": self.budget.epsilon_steps, "sampling": "poisson",
-            **self.bound.facts(), **self.bound.state_dict(), **self._gradient_noise_fact(), **self._unit_facts(),
+            **self.bound.facts(), **self.bound.state_dict(), **self._gradient_noise_fact(),
+            **unit_facts(self._users, diagnostics=settings.private_diagnostics),
             "clipping": settings.clipping, "tied_norm": settings.tied_norm, "noise": self.noise_source.describe(),
             "noise_secure": self.noise_source.secure and self.history.noise_secure,
             "differentially_private": reason is None and bool(sigma), "reason_not_private": reason,
@@ -374,17 +376,10 @@ class DPSGD:
         self.engine.set_max_grad_norm(self.bound.bound)
         self.bound.gradient_noise_multiplier(self.budget.noise_multiplier)  # refuses σ_b too small, now
 
-    def _count_noise(self, count_noise_multiplier: float) -> float:
+    def _count_noise(self, std: float) -> float:
         """N(0, σ_b²) for the quantile count, drawn on rank 0 only (summed over ranks: noised once); 0 without σ."""
-        if self.world.rank != 0 or not self.budget.noise_multiplier:
-            return 0.0
-        generator = self.noise_source.generator("count", steps=self.budget.steps, device=torch.device("cpu"))
-        return float(torch.randn((), generator=generator, dtype=torch.float64)) * count_noise_multiplier
-
-    def _noise_generator(self, rank: int) -> torch.Generator:
-        """A fresh generator for the noise ``rank`` draws in this step (its own stream: ranks draw independently)."""
-        stream = "noise" if rank == 0 else f"noise/rank{rank}"
-        return self.noise_source.generator(stream, steps=self.budget.steps, device=self._started_buffer().flat.device)
+        drawn = self.world.rank == 0 and self.budget.noise_multiplier
+        return self.noise_source.count_noise(std, steps=self.budget.steps) if drawn else 0.0
 
     def _weights_digest(self) -> str:
         """The weights' content digest (every rank takes part when they are sharded)."""
@@ -421,59 +416,29 @@ class DPSGD:
         """σ_eff under quantile clipping (the gradient's share of the accounted σ)."""
         return {"gradient_noise_multiplier": self.gradient_noise_multiplier} if self.bound.mode == "quantile" else {}
 
-    def _unit_facts(self, *, public_only: bool = False) -> dict[str, Any]:
-        """The privacy unit's facts: ``example``, or the user-level counts (the largest user's rows as a diagnostic)."""
-        if self._users is None:
-            return {"privacy_unit": "example"}
-        return self._users.facts(private_diagnostics=self.settings.private_diagnostics and not public_only)
-
     def _segment_facts(self) -> dict[str, Any]:
-        """This run's public parameters, as its segment of the weights' privacy history records them."""
-        return {
-            "max_grad_norm": self.settings.max_grad_norm, "dataset_size": self._dataset_size,
-            "delta": self.budget.accountant.delta, "mechanism": self.settings.accountant,
-            "noise": self.noise_source.describe(), "noise_secure": self.noise_source.secure,
-            **self._unit_facts(public_only=True),  # the weights' history holds no diagnostic (it outlives the run)
-            **self.bound.facts(),
-        }  # fmt: skip
+        return segment_facts(
+            self.settings, dataset_size=self._dataset_size, delta=self.budget.accountant.delta, noise=self.noise_source,
+            users=self._users, bound=self.bound,
+        )  # fmt: skip
 
     def _say_mechanism_changes(self) -> None:
         """Say in one line what a resume changes of the resumed run's mechanism (clipping mode, C, k)."""
-        now = {**self._unit_facts(public_only=True), **self.bound.facts(), "max_grad_norm": self.settings.max_grad_norm}
-        before = {key: self._restored.get(key) for key in MECHANISM_FACTS if self._restored.get(key) is not None}
-        changed = [f"{key} {value!r} → {now.get(key)!r}" for key, value in before.items() if value != now.get(key)]
-        if not changed:
-            return
-        learned = self._restored.get("clip_bound") if self._restored.get("clip_mode") != self.bound.mode else None
-        dropped = f"; the learned quantile bound C_t = {learned:.6g} is not used" if learned is not None else ""
-        warn(
-            self.world,
-            f"DP-SGD: this resume changes the mechanism of run {self.budget.ledger.run_id}: {', '.join(changed)}"
-            f"{dropped} (the weights' privacy history records each segment's own)",
-        )
+        now = {
+            **unit_facts(self._users, diagnostics=False),
+            **self.bound.facts(),
+            "max_grad_norm": self.settings.max_grad_norm,
+        }
+        changes = mechanism_changes(self._restored, now, mode=self.bound.mode)
+        if changes is not None:
+            run = self.budget.ledger.run_id
+            warn(self.world, f"DP-SGD: this resume changes the mechanism of run {run}: {changes} (the weights' "
+                 "privacy history records each segment's own)")  # fmt: skip
 
     def _started_buffer(self) -> GradientBuffer:
         if self._buffer is None:
             raise RuntimeError("DPSGD.start must run before clipping or releasing a step")
         return self._buffer
-
-
-def clipping_engine(module: nn.Module, settings: DPSGDSettings) -> ClippingEngine:
-    """The clipping engine ``settings.clipping`` names, built for ``module``."""
-    options = {"tied_norm": settings.tied_norm} if settings.clipping == "ghost" else {}
-    stability = automatic_stability(settings)
-    return build_engine(settings.clipping, module, max_grad_norm=settings.max_grad_norm, stability=stability, **options)
-
-
-def _size_and_rate(loader: DataLoader, size: int, *, users: bool) -> tuple[int, float]:
-    """N and the Poisson rate q = batch_size / N (N rows, or users), refusing an empty set or a bad batch size."""
-    batch = loader.batch_size
-    if size == 0:
-        raise ValueError("the training dataset is empty")
-    if batch is None or not 0 < batch <= size:
-        what = f"the expected users per batch, at most the {size} users" if users else f"at most the {size} rows"
-        raise ValueError(f"data.batch_size must be in [1, {size}] ({what}), got {batch}")
-    return size, batch / size
 
 
 def _register(hooks: OrderedDict[int, SumHook], hook: SumHook, *, prepend: bool) -> RemovableHandle:

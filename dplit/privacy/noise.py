@@ -57,3 +57,12 @@ class NoiseSource:
     def generator(self, stream: str, *, steps: int, device: torch.device) -> torch.Generator:
         """A generator on ``device`` seeded by :meth:`seed`, every bit of it (see :mod:`dplit.privacy.seeds`)."""
         return seeded_generator(self.seed(stream, steps=steps), device=device)
+
+    def step_generator(self, rank: int, *, steps: int, device: torch.device) -> torch.Generator:
+        """A fresh generator for the noise ``rank`` draws in the step after ``steps`` (each rank its own stream)."""
+        return self.generator("noise" if rank == 0 else f"noise/rank{rank}", steps=steps, device=device)
+
+    def count_noise(self, std: float, *, steps: int) -> float:
+        """One draw of N(0, std²) for quantile clipping's count in the step after ``steps`` (its own stream)."""
+        generator = self.generator("count", steps=steps, device=torch.device("cpu"))
+        return float(torch.randn((), generator=generator, dtype=torch.float64)) * std

@@ -85,3 +85,14 @@ def with_batch_sampler(dataloader: DataLoader, sampler: Sampler[list[int]]) -> D
         pin_memory=dataloader.pin_memory,
         persistent_workers=dataloader.persistent_workers,
     )
+
+
+def size_and_rate(loader: DataLoader, size: int, *, users: bool) -> tuple[int, float]:
+    """N and the Poisson rate q = batch_size / N (N rows, or users), refusing an empty set or a bad batch size."""
+    batch = loader.batch_size
+    if size == 0:
+        raise ValueError("the training dataset is empty")
+    if batch is None or not 0 < batch <= size:
+        what = f"the expected users per batch, at most the {size} users" if users else f"at most the {size} rows"
+        raise ValueError(f"data.batch_size must be in [1, {size}] ({what}), got {batch}")
+    return size, batch / size

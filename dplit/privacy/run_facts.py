@@ -1,0 +1,52 @@
+"""What a DP-SGD run states about itself: its privacy unit, its segment of the weights' history, a resume's changes.
+
+Plain functions of public parameters (σ, q, C, N, k, the clipping mode and its noisy state): nothing here is computed
+from the training data, except the largest user's row count, which only ``private_diagnostics`` lets into the
+run's own ledger and never into the weights' history.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dplit.privacy.clip_bound import FixedBound
+from dplit.privacy.noise import NoiseSource
+from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.user_sampling import UserLevel
+
+MECHANISM_FACTS = ("clip_mode", "max_grad_norm", "max_rows_per_user")
+"""The facts of a run's mechanism a resume may change (said in one line; the privacy unit and N it may not)."""
+
+
+def unit_facts(users: UserLevel | None, *, diagnostics: bool) -> dict[str, Any]:
+    """The privacy unit's facts: ``example``, or the user-level counts (``diagnostics``: the largest user's rows)."""
+    return {"privacy_unit": "example"} if users is None else users.facts(private_diagnostics=diagnostics)
+
+
+def segment_facts(
+    settings: DPSGDSettings, *, dataset_size: int | None, delta: float, noise: NoiseSource, users: UserLevel | None,
+    bound: FixedBound,
+) -> dict[str, Any]:  # fmt: skip
+    """A run's public parameters, as its segment of the weights' privacy history records them (no diagnostic)."""
+    return {
+        "max_grad_norm": settings.max_grad_norm, "dataset_size": dataset_size, "delta": delta,
+        "mechanism": settings.accountant, "noise": noise.describe(), "noise_secure": noise.secure,
+        **unit_facts(users, diagnostics=False), **bound.facts(),
+    }  # fmt: skip
+
+
+def mechanism_changes(restored: dict[str, Any], now: dict[str, Any], *, mode: str) -> str | None:
+    """What a resume changes of the resumed run's mechanism (clipping mode, C, k), in words (``None``: nothing).
+
+    Args:
+        restored: the resumed checkpoint's ledger facts.
+        now: this run's unit and clipping facts, and its ``max_grad_norm``.
+        mode: this run's clipping mode (a learned quantile bound C_t of another mode is dropped).
+    """
+    before = {key: restored.get(key) for key in MECHANISM_FACTS if restored.get(key) is not None}
+    changed = [f"{key} {value!r} → {now.get(key)!r}" for key, value in before.items() if value != now.get(key)]
+    if not changed:
+        return None
+    learned = restored.get("clip_bound") if restored.get("clip_mode") != mode else None
+    dropped = f"; the learned quantile bound C_t = {learned:.6g} is not used" if learned is not None else ""
+    return f"{', '.join(changed)}{dropped}"
