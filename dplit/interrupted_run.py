@@ -31,11 +31,11 @@ def save_interrupted_run(
     error the other ranks may wait inside a collective, so ``privacy_ledger.json`` is the record.
     """
     dpsgd.finish()
-    if dpsgd.steps_this_run == 0 or (multi_process and not isinstance(exception, KeyboardInterrupt)):
+    if dpsgd.budget.steps_this_run == 0 or (multi_process and not isinstance(exception, KeyboardInterrupt)):
         return
     trainer.save_checkpoint(path)
     rank_zero_warn(
-        f"DP-SGD: training stopped by {type(exception).__name__} after {dpsgd.steps} DP steps; saved {path} with "
+        f"DP-SGD: training stopped by {type(exception).__name__} after {dpsgd.budget.steps} DP steps; saved {path} with "
         f"the privacy ledger (resume with --ckpt_path {path})",
         category=PrivacyWarning,
     )

@@ -69,7 +69,7 @@ class CanaryDPStrategy(DPStrategy):
         if dpsgd.world.rank != 0:
             return
         assert dpsgd.sample_rate is not None
-        generator = dpsgd.noise_source.generator("canaries", steps=dpsgd.steps, device=torch.device("cpu"))
+        generator = dpsgd.noise_source.generator("canaries", steps=dpsgd.budget.steps, device=torch.device("cpu"))
         norm = self.canary_norm()
         sampled = self.canaries.add_sampled(clipped_sum, sample_rate=dpsgd.sample_rate, generator=generator, norm=norm)
         dpsgd.count_units(torch.full((sampled,), norm, dtype=torch.float64))  # quantile mode: each joins the count

@@ -23,7 +23,6 @@ noise and writes the ledger, and one all-reduce carries the sums, the noise, ran
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,10 +43,18 @@ from dplit.privacy.fingerprint import IndexedRows
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
-from dplit.privacy.run_facts import MECHANISM_FACTS, mechanism_changes, segment_facts, unit_facts
+from dplit.privacy.run_facts import (
+    MECHANISM_FACTS,
+    ledger_facts,
+    mechanism_changes,
+    segment_facts,
+    start_line,
+    unit_facts,
+)
 from dplit.privacy.sampling import poisson_loader, size_and_rate
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.start_checks import check_start
+from dplit.privacy.sum_hooks import SumHook, SumHooks
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
 from dplit.privacy.warnings import say, warn
@@ -56,9 +63,6 @@ from dplit.privacy.world import SingleProcess, World
 
 __all__ = ["DPSGD", "MECHANISM_FACTS", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
 
-SumHook = Callable[["DPSGD", Tensor], None]
-"""``hook(dpsgd, flat_sum)``: may read ``flat_sum`` (every trainable parameter's entries, flat, in order); a hook
-that writes to it changes what is released (only an audit's canaries, or its deliberately broken mechanisms, do)."""
 STOP_SLOT, COUNT_SLOT = 0, 1
 """The all-reduce's two extra slots: rank 0's stop flag, and the quantile bound's centred count (noised once)."""
 NO_NOISE_WARNING = (
@@ -100,8 +104,10 @@ class DPSGD:
         self._module, self._state_guard = module, StateWriteGuard(module)
         self._weights_state = weights_state if weights_state is not None else module.state_dict
         self._started = False
-        self._sample_rate: float | None = None
-        self._dataset_size: int | None = None
+        self.sample_rate: float | None = None
+        """The Poisson rate q = expected logical batch size / N (set by :meth:`sample`)."""
+        self.dataset_size: int | None = None
+        """N, the training units Poisson sampling draws from (set by :meth:`sample`)."""
         self._rows: IndexedRows | None = None
         self._users: UserLevel | None = None
         self._restored: dict[str, Any] = {}  # the resumed checkpoint's ledger facts
@@ -109,8 +115,7 @@ class DPSGD:
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
         self._self_check_pending = settings.self_check
-        self._before_noise: OrderedDict[int, SumHook] = OrderedDict()
-        self._after_noise: OrderedDict[int, SumHook] = OrderedDict()
+        self._before_noise, self._after_noise = SumHooks(), SumHooks()
 
     # --- Algorithm 1 -----------------------------------------------------------------------------------------------
 
@@ -122,14 +127,14 @@ class DPSGD:
         """
         self._users = user_level_of(loader.dataset)
         units = self._users.users if self._users is not None else len(loader.dataset)  # type: ignore[arg-type]
-        self._dataset_size, self._sample_rate = size_and_rate(loader, units, users=self._users is not None)
+        self.dataset_size, self.sample_rate = size_and_rate(loader, units, users=self._users is not None)
         self._rows = loader.dataset  # type: ignore[assignment]
         self.bound = clip_bound_for(self.settings, expected_batch=self.expected_batch_size)
         seed = self.noise_source.seed("sampling", steps=self.budget.steps)  # the sampler mixes in the rank
         where = {"num_replicas": self.world.size, "rank": self.world.rank, "seed": seed}
         if self._users is not None:  # q over users; a sampled user brings ≤ k rows
-            return user_poisson_loader(loader, level=self._users, sample_rate=self._sample_rate, **where)
-        return poisson_loader(loader, sample_rate=self._sample_rate, **where)
+            return user_poisson_loader(loader, level=self._users, sample_rate=self.sample_rate, **where)
+        return poisson_loader(loader, sample_rate=self.sample_rate, **where)
 
     def start(
         self, *, planned_steps: float, steps_done: int = 0, log_dir: str | None = None, resumed_from: Path | None = None
@@ -145,15 +150,15 @@ class DPSGD:
         Returns:
             Whether the budget is already spent (no step may be taken).
         """
-        if self._sample_rate is None or self._dataset_size is None:
+        if self.sample_rate is None or self.dataset_size is None:
             raise RuntimeError("DPSGD.start needs the training loader: call DPSGD.sample first")
-        delta = self.settings.target_delta or default_delta(self._dataset_size)
+        delta = self.settings.target_delta or default_delta(self.dataset_size)
         check_start(
-            self.settings, self.world, delta=delta, dataset_size=self._dataset_size, rows=self._rows, users=self._users,
+            self.settings, self.world, delta=delta, dataset_size=self.dataset_size, rows=self._rows, users=self._users,
             restored_size=self.budget.ledger.restored_dataset_size,
         )  # fmt: skip
         self.budget.open(
-            delta=delta, sample_rate=self._sample_rate, planned_steps=planned_steps, steps_done=steps_done,
+            delta=delta, sample_rate=self.sample_rate, planned_steps=planned_steps, steps_done=steps_done,
             log_dir=log_dir, resumed_from=resumed_from, weights_digest=self._weights_digest,
             segment_facts=self._segment_facts,
         )  # fmt: skip
@@ -205,7 +210,7 @@ class DPSGD:
         stop_after = not self.budget.next_step_fits()
         self._counting_open = True
         try:
-            _call(self._before_noise, self, buffer.gradients)
+            self._before_noise(self, buffer.gradients)
         finally:
             self._counting_open = False
         buffer.extra[STOP_SLOT] = float(stop_after)
@@ -215,7 +220,7 @@ class DPSGD:
         generator = lambda rank: self.noise_source.step_generator(rank, steps=steps, device=device)  # noqa: E731
         self.world.noisy_sum(buffer, std=std, generator=generator)
         buffer.refuse_non_finite(step=self.budget.steps + 1)
-        _call(self._after_noise, self, buffer.gradients)
+        self._after_noise(self, buffer.gradients)
         stop = bool(buffer.extra[STOP_SLOT] > 0)  # rank 0's decision, so every rank stops after the same step
         self.bound.update(float(buffer.extra[COUNT_SLOT]), self.expected_batch_size)  # C_{t+1}, the same everywhere
         self.engine.set_max_grad_norm(self.bound.bound)
@@ -243,11 +248,11 @@ class DPSGD:
 
     def register_before_noise_hook(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
         """Call ``hook(self, clipped_sum)`` on every rank after clipping, before the noise is added."""
-        return _register(self._before_noise, hook, prepend=prepend)
+        return self._before_noise.register(hook, prepend=prepend)
 
     def register_after_noise_hook(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
         """Call ``hook(self, noisy_sum)`` on every rank once the noisy sum is summed over ranks, before ÷ qN."""
-        return _register(self._after_noise, hook, prepend=prepend)
+        return self._after_noise.register(hook, prepend=prepend)
 
     def count_units(self, norms: Tensor) -> None:
         """Count units that join this step outside the engine (an audit's canaries) in quantile mode's noisy count.
@@ -281,25 +286,10 @@ class DPSGD:
         return self.bound.bound
 
     @property
-    def clip_quantile_estimate(self) -> float | None:
-        """Quantile clipping: the last step's noisy share of unclipped units (``None`` in other modes)."""
-        return self.bound.last_estimate
-
-    @property
-    def sample_rate(self) -> float | None:
-        """The Poisson rate q = expected logical batch size / N (set by :meth:`sample`)."""
-        return self._sample_rate
-
-    @property
-    def dataset_size(self) -> int | None:
-        """N, the training units Poisson sampling draws from (set by :meth:`sample`)."""
-        return self._dataset_size
-
-    @property
     def expected_batch_size(self) -> float:
         """q·N: the global logical batch size the noisy sum is divided by."""
-        assert self._sample_rate is not None and self._dataset_size is not None, "DPSGD.sample first"
-        return self._sample_rate * self._dataset_size
+        assert self.sample_rate is not None and self.dataset_size is not None, "DPSGD.sample first"
+        return self.sample_rate * self.dataset_size
 
     @property
     def accountant(self) -> PrivacyAccountant | None:
@@ -307,38 +297,9 @@ class DPSGD:
         return self.budget.ledger.accountant
 
     @property
-    def epsilon_spent(self) -> float:
-        """ε spent by the weights' whole history at the run's δ, as of :attr:`epsilon_steps` DP steps."""
-        return self.budget.epsilon_spent
-
-    @property
-    def epsilon_steps(self) -> int:
-        """The DP steps :attr:`epsilon_spent` counts (all of them after a stop and :meth:`finish`)."""
-        return self.budget.epsilon_steps
-
-    @property
-    def steps(self) -> int:
-        """DP steps the accountant counts so far (a restored checkpoint's included)."""
-        return self.budget.steps
-
-    @property
-    def steps_this_run(self) -> int:
-        """DP steps taken since :meth:`start`."""
-        return self.budget.steps_this_run
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether the next step would spend more than ``target_epsilon`` (set by :meth:`start` and :meth:`release`)."""
-        return self.budget.should_stop
-
-    @property
     def gradient_buffer(self) -> GradientBuffer:
         """The buffer this rank's clipped sums are summed into (made by :meth:`start`, one per trainable set)."""
         return self._started_buffer()
-
-    def epsilon_after(self, steps: int) -> float:
-        """ε after ``steps`` more steps at this run's (σ, q)."""
-        return self.budget.epsilon_after(steps)
 
     # --- state -----------------------------------------------------------------------------------------------------
 
@@ -353,19 +314,11 @@ class DPSGD:
 
     def facts(self) -> dict[str, Any]:
         """What the ledger records beside the accountant's history (never a seed)."""
-        settings, reason, sigma = self.settings, self.history.reason_not_private(), self.noise_multiplier
-        expected = self.expected_batch_size if self._sample_rate is not None else None
-        return {
-            "noise_multiplier": sigma, "max_grad_norm": settings.max_grad_norm, "sample_rate": self._sample_rate,
-            "dataset_size": self._dataset_size, "target_epsilon": settings.target_epsilon,
-            "expected_batch_size": expected, "epsilon_steps": self.budget.epsilon_steps, "sampling": "poisson",
-            **self.bound.facts(), **self.bound.state_dict(), **self._gradient_noise_fact(),
-            **unit_facts(self._users, diagnostics=settings.private_diagnostics),
-            "clipping": settings.clipping, "tied_norm": settings.tied_norm, "noise": self.noise_source.describe(),
-            "noise_secure": self.noise_source.secure and self.history.noise_secure,
-            "differentially_private": reason is None and bool(sigma), "reason_not_private": reason,
-            "privacy_history": self.history.state_dict(),
-        }  # fmt: skip
+        return ledger_facts(
+            self.settings, history=self.history, noise=self.noise_source, bound=self.bound, users=self._users,
+            sigma=self.noise_multiplier, sample_rate=self.sample_rate, dataset_size=self.dataset_size,
+            epsilon_steps=self.budget.epsilon_steps,
+        )  # fmt: skip
 
     # --- inside ----------------------------------------------------------------------------------------------------
 
@@ -402,23 +355,15 @@ class DPSGD:
             )
 
     def _announce(self, delta: float) -> None:
-        sigma = self.budget.noise_multiplier
-        say(
-            self.world,
-            f"DP-SGD: σ={sigma:.4f}, C={self.settings.max_grad_norm}, q={self._sample_rate:.3g}, expected batch "
-            f"{self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self.settings.clipping}, steps so far "
-            f"{self.budget.steps}, noise {self.noise_source.describe()}",
-        )
-        if sigma == 0:
+        say(self.world, start_line(self.settings, sigma=self.budget.noise_multiplier, sample_rate=self.sample_rate or 0.0,
+                                   expected=self.expected_batch_size, delta=delta, steps=self.budget.steps,
+                                   noise=self.noise_source))  # fmt: skip
+        if self.budget.noise_multiplier == 0:
             warn(self.world, NO_NOISE_WARNING.replace(FLAG_OWNER, self.settings.flag_owner, 1))
-
-    def _gradient_noise_fact(self) -> dict[str, Any]:
-        """σ_eff under quantile clipping (the gradient's share of the accounted σ)."""
-        return {"gradient_noise_multiplier": self.gradient_noise_multiplier} if self.bound.mode == "quantile" else {}
 
     def _segment_facts(self) -> dict[str, Any]:
         return segment_facts(
-            self.settings, dataset_size=self._dataset_size, delta=self.budget.accountant.delta, noise=self.noise_source,
+            self.settings, dataset_size=self.dataset_size, delta=self.budget.accountant.delta, noise=self.noise_source,
             users=self._users, bound=self.bound,
         )  # fmt: skip
 
@@ -439,16 +384,3 @@ class DPSGD:
         if self._buffer is None:
             raise RuntimeError("DPSGD.start must run before clipping or releasing a step")
         return self._buffer
-
-
-def _register(hooks: OrderedDict[int, SumHook], hook: SumHook, *, prepend: bool) -> RemovableHandle:
-    handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    if prepend:
-        hooks.move_to_end(handle.id, last=False)
-    return handle
-
-
-def _call(hooks: OrderedDict[int, SumHook], dpsgd: DPSGD, flat_sum: Tensor) -> None:
-    for hook in list(hooks.values()):
-        hook(dpsgd, flat_sum)

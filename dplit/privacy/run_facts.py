@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dplit.privacy.clip_bound import FixedBound
+from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.user_sampling import UserLevel
@@ -50,3 +51,36 @@ def mechanism_changes(restored: dict[str, Any], now: dict[str, Any], *, mode: st
     learned = restored.get("clip_bound") if restored.get("clip_mode") != mode else None
     dropped = f"; the learned quantile bound C_t = {learned:.6g} is not used" if learned is not None else ""
     return f"{', '.join(changed)}{dropped}"
+
+
+def ledger_facts(
+    settings: DPSGDSettings, *, history: PrivacyHistory, noise: NoiseSource, bound: FixedBound,
+    users: UserLevel | None, sigma: float | None, sample_rate: float | None, dataset_size: int | None,
+    epsilon_steps: int,
+) -> dict[str, Any]:  # fmt: skip
+    """What a run's ledger records beside the accountant's history (never a seed; diagnostics as the settings say)."""
+    reason = history.reason_not_private()
+    expected = sample_rate * dataset_size if sample_rate is not None and dataset_size is not None else None
+    gradient_noise = {"gradient_noise_multiplier": bound.gradient_noise_multiplier(sigma or 0.0)}
+    return {
+        "noise_multiplier": sigma, "max_grad_norm": settings.max_grad_norm, "sample_rate": sample_rate,
+        "dataset_size": dataset_size, "target_epsilon": settings.target_epsilon, "expected_batch_size": expected,
+        "epsilon_steps": epsilon_steps, "sampling": "poisson", **bound.facts(), **bound.state_dict(),
+        **(gradient_noise if bound.mode == "quantile" else {}),
+        **unit_facts(users, diagnostics=settings.private_diagnostics),
+        "clipping": settings.clipping, "tied_norm": settings.tied_norm, "noise": noise.describe(),
+        "noise_secure": noise.secure and history.noise_secure,
+        "differentially_private": reason is None and bool(sigma), "reason_not_private": reason,
+        "privacy_history": history.state_dict(),
+    }  # fmt: skip
+
+
+def start_line(
+    settings: DPSGDSettings, *, sigma: float, sample_rate: float, expected: float, delta: float, steps: int,
+    noise: NoiseSource,
+) -> str:  # fmt: skip
+    """The one line a DP-SGD run starts with: σ, C, q, the expected batch, δ, the engine, steps so far, the noise."""
+    return (
+        f"DP-SGD: σ={sigma:.4f}, C={settings.max_grad_norm}, q={sample_rate:.3g}, expected batch {expected:.1f}, "
+        f"δ={delta:.3g}, clipping={settings.clipping}, steps so far {steps}, noise {noise.describe()}"
+    )

@@ -188,7 +188,7 @@ def test_the_qlora_config_trains_adapters_only_resumes_and_exports_them(
 
     resumed = run_cli(["fit", *args, *steps(2), "--trainer.max_epochs", "2", "--ckpt_path", str(checkpoint)])
     assert resumed.trainer.strategy.accountant.steps == 4
-    assert resumed.trainer.strategy.dpsgd.epsilon_spent > first.trainer.strategy.dpsgd.epsilon_spent
+    assert resumed.trainer.strategy.dpsgd.budget.epsilon_spent > first.trainer.strategy.dpsgd.budget.epsilon_spent
 
     export_checkpoint(checkpoint_of(run), tmp_path / "adapter", adapter_only=True)
     card = json.loads((tmp_path / "adapter" / GUARANTEE_FILE).read_text())

@@ -141,7 +141,7 @@ def test_a_language_model_trains_over_the_users_of_its_file(tmp_path: Path) -> N
                       "--data.val_file", str(train), "--data.batch_size", "2", "--data.privacy_unit", "user",
                       "--data.user_column", "who", "--data.max_rows_per_user", "3", "--model.sample_prompts", "[]"])  # fmt: skip
     dpsgd = cli.trainer.strategy.dpsgd
-    assert dpsgd.dataset_size == 20 and dpsgd.facts()["users"] == 20 and dpsgd.steps >= 1
+    assert dpsgd.dataset_size == 20 and dpsgd.facts()["users"] == 20 and dpsgd.budget.steps >= 1
     assert dpsgd.facts()["largest_user_rows"] == 2  # a private diagnostic (u0..u19 own 2 rows each)
     assert cli.datamodule.dataset("validation").users is None
 

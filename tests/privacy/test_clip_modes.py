@@ -120,13 +120,13 @@ def test_the_count_and_the_gradient_get_their_share_of_one_gaussian_mechanism() 
     estimates, weights = [], []
     for _ in range(200):
         weights.append(empty_step(mechanism, model)["backbone.transformer.wte.weight"].flatten())
-        estimates.append(mechanism.clip_quantile_estimate)
+        estimates.append(mechanism.bound.last_estimate)
     assert float(torch.stack(weights).std()) == pytest.approx(sigma_eff * 1.0 / 16, rel=0.03)
     assert float(torch.tensor(estimates).std()) == pytest.approx(0.6 / 16, rel=0.15)  # 200 draws: ±10% sampling
     reference = PRVAccountant()
     reference.history = [(1.0, 16 / 64, 200)]
     mechanism.finish()
-    assert mechanism.epsilon_spent == pytest.approx(reference.get_epsilon(1e-3), rel=1e-6)
+    assert mechanism.budget.epsilon_spent == pytest.approx(reference.get_epsilon(1e-3), rel=1e-6)
 
 
 def test_a_resume_continues_with_the_same_bound() -> None:
@@ -173,7 +173,7 @@ def test_a_count_noise_too_small_for_sigma_is_refused_before_any_step() -> None:
 def test_a_run_logs_its_bound_and_its_card_states_the_mode(mode: str, tmp_path: Path) -> None:
     cli = run_cli(["fit", *quickstart_args(tmp_path, *steps(3), "--trainer.strategy.init_args.clip_mode", mode)])
     metrics = cli.trainer.callback_metrics
-    assert "dp/clip_bound" in metrics and cli.trainer.strategy.dpsgd.steps == 3
+    assert "dp/clip_bound" in metrics and cli.trainer.strategy.dpsgd.budget.steps == 3
     if mode == "quantile":
         assert float(metrics["dp/clip_bound"]) != 1.0 and "dp/clip_quantile_estimate" in metrics
     export_checkpoint(checkpoint_of(tmp_path), tmp_path / "out")
@@ -192,12 +192,12 @@ def test_units_counted_outside_the_engine_join_the_noisy_count_at_a_half_each() 
     mechanism, model = dpsgd({"clip_mode": "quantile", "clip_learning_rate": 1e-9}, sigma=0.0)
     mechanism.start(planned_steps=3)
     empty_step(mechanism, model)
-    assert mechanism.clip_quantile_estimate == pytest.approx(0.5)
+    assert mechanism.bound.last_estimate == pytest.approx(0.5)
     handle = mechanism.register_before_noise_hook(
         lambda dpsgd, _: dpsgd.count_units(torch.tensor([1.0, 1.0, 5.0], dtype=torch.float64))
     )
     empty_step(mechanism, model)
-    assert mechanism.clip_quantile_estimate == pytest.approx(0.5 + 0.5 / 16)
+    assert mechanism.bound.last_estimate == pytest.approx(0.5 + 0.5 / 16)
     handle.remove()
     with pytest.raises(RuntimeError, match="from a before-noise hook only"):  # it would land in no step's count
         mechanism.count_units(torch.ones(3))

@@ -63,7 +63,7 @@ def test_a_step_releases_the_brute_force_clipped_sum_over_qn(policy: str, clippi
     dpsgd.release()
     for name, param in trainable_parameters(model).items():
         torch.testing.assert_close(param.grad, expected[name] / (ROWS * (BATCH / ROWS)))
-    assert dpsgd.steps == 1 and model.privacy_history.dp_steps == 1
+    assert dpsgd.budget.steps == 1 and model.privacy_history.dp_steps == 1
 
 
 def test_the_hooks_see_the_clipped_sum_then_the_noisy_sum_in_their_order_until_removed() -> None:
@@ -113,10 +113,10 @@ def test_the_budget_stops_after_the_planned_steps_and_a_forced_step_is_refused()
         dpsgd.clip(model.per_example_loss, batch)
         stops.append(dpsgd.release())
     assert stops == [False, False, True]
-    assert dpsgd.epsilon_spent <= 2.0 and dpsgd.should_stop
+    assert dpsgd.budget.epsilon_spent <= 2.0 and dpsgd.budget.should_stop
     reference = PrivacyAccountant(delta=default_delta(ROWS))
     reference.load_state_dict({**reference.state_dict(), "history": [(dpsgd.noise_multiplier, BATCH / ROWS, 3)]})
-    assert math.isclose(dpsgd.epsilon_spent, reference.epsilon(), rel_tol=1e-9)
+    assert math.isclose(dpsgd.budget.epsilon_spent, reference.epsilon(), rel_tol=1e-9)
     dpsgd.clip(model.per_example_loss, nonempty_batches(loader, 1)[0])
     with pytest.raises(ValueError, match="would spend"):
         dpsgd.release()
@@ -134,10 +134,10 @@ def test_its_state_continues_the_ledger_on_the_same_weights() -> None:
     resumed, loader = make_dpsgd(model, noise_multiplier=1.0, clipping="per_example")
     resumed.load_state_dict(state)
     resumed.start(planned_steps=4, steps_done=2)
-    assert resumed.steps == 2 and resumed.steps_this_run == 0
+    assert resumed.budget.steps == 2 and resumed.budget.steps_this_run == 0
     resumed.clip(model.per_example_loss, nonempty_batches(loader, 1)[0])
     resumed.release()
-    assert resumed.steps == 3 and model.privacy_history.dp_steps == 3
+    assert resumed.budget.steps == 3 and model.privacy_history.dp_steps == 3
 
 
 def test_calls_out_of_order_are_refused() -> None:
@@ -188,8 +188,8 @@ def test_a_planned_run_asks_the_accountant_for_epsilon_a_bounded_number_of_times
     for batch in nonempty_batches(loader, 4) * 2:
         dpsgd.clip(model.per_example_loss, batch)
         stops.append(dpsgd.release())
-        if dpsgd.steps in (1, 8):
-            assert dpsgd.epsilon_steps == dpsgd.steps
+        if dpsgd.budget.steps in (1, 8):
+            assert dpsgd.budget.epsilon_steps == dpsgd.budget.steps
     assert stops == [False] * 7 + [True]
     assert [call.get("extra_steps") for call in calls] == [8, None, 2, None]  # the plan; step 1; does a 9th fit?; step 8
-    assert dpsgd.epsilon_steps == 8 and dpsgd.epsilon_spent <= 4.0
+    assert dpsgd.budget.epsilon_steps == 8 and dpsgd.budget.epsilon_spent <= 4.0

@@ -181,9 +181,9 @@ def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) ->
     users = max(cli.datamodule.dataset("train").users) + 1
     assert dpsgd.dataset_size == users < len(cli.datamodule.dataset("train"))
     reference = PRVAccountant()
-    assert dpsgd.steps >= 2 and dpsgd.epsilon_steps == dpsgd.steps  # an epoch is users / batch steps
-    reference.history = [(1.0, cli.datamodule.batch_size / users, dpsgd.steps)]
-    assert dpsgd.epsilon_spent == pytest.approx(reference.get_epsilon(default_delta(users)), rel=1e-3)
+    assert dpsgd.budget.steps >= 2 and dpsgd.budget.epsilon_steps == dpsgd.budget.steps  # an epoch is users / batch steps
+    reference.history = [(1.0, cli.datamodule.batch_size / users, dpsgd.budget.steps)]
+    assert dpsgd.budget.epsilon_spent == pytest.approx(reference.get_epsilon(default_delta(users)), rel=1e-3)
     export_checkpoint(checkpoint_of(tmp_path), tmp_path / "out")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "with respect to one user (all of that user's training rows; at most 4" in card
