@@ -22,8 +22,9 @@ from dplit.privacy.history import (
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
+from dplit.release.card import model_card
 from dplit.release.export import export_checkpoint
-from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
+from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of
 from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.fitting import fit, make_model
@@ -58,12 +59,16 @@ def non_private_fit(tmp_path: Path, model: Any, max_steps: int) -> L.Trainer:
 # --- §1: a second fit continues the weights' ε ------------------------------------------------------------------
 
 
-def test_a_second_fit_on_the_same_module_continues_its_epsilon(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_second_fit_on_the_same_module_continues_its_epsilon(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     model = make_model()
     fit(tmp_path / "a", model, max_steps=4, noise_multiplier=1.0, seed=None)
     with caplog.at_level("INFO"):
         trainer, strategy = fit(tmp_path / "b", model, max_steps=4, noise_multiplier=1.0, seed=None)
-    said = [record.getMessage() for record in caplog.records if "continues their privacy history" in record.getMessage()]
+    said = [
+        record.getMessage() for record in caplog.records if "continues their privacy history" in record.getMessage()
+    ]
     assert len(said) == 1 and "already took 4 DP steps (earlier training" in said[0]
     expected = epsilon_of([(1.0, Q, 8)])
     assert strategy.accountant is not None and strategy.accountant.steps == 8
@@ -112,7 +117,9 @@ def test_a_target_the_history_already_spent_is_refused_before_any_step(tmp_path:
     model = make_model()
     fit(tmp_path / "a", model, max_steps=3, noise_multiplier=1.0, seed=None)
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    with pytest.raises(ValueError, match="target_epsilon=0.5 is already spent: these weights' privacy history counts 3"):
+    with pytest.raises(
+        ValueError, match="target_epsilon=0.5 is already spent: these weights' privacy history counts 3"
+    ):
         fit(tmp_path / "b", model, max_steps=3, noise_multiplier=None, target_epsilon=0.5, seed=None)
     assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
 
@@ -141,7 +148,12 @@ def test_a_seeded_segment_resumed_without_the_seed_stays_not_private(tmp_path: P
 
 @pytest.mark.slow
 def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path) -> None:
-    sigma = ["--trainer.strategy.init_args.target_epsilon", "null", "--trainer.strategy.init_args.noise_multiplier", "1"]
+    sigma = [
+        "--trainer.strategy.init_args.target_epsilon",
+        "null",
+        "--trainer.strategy.init_args.noise_multiplier",
+        "1",
+    ]
     run_cli(["fit", *quickstart_args(tmp_path / "first", *steps(3), *sigma)])
     first = max((tmp_path / "first").rglob("*.ckpt"), key=lambda path: path.stat().st_mtime)
     export_checkpoint(first, tmp_path / "export")
@@ -157,7 +169,11 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     replace_one = epsilon_under("replace_one", [(1.0, 0.1, 5)], delta=guarantee["delta"])
     assert guarantee["epsilon_replace_one"] == pytest.approx(replace_one) and replace_one > guarantee["epsilon"]
     assert str(tmp_path) not in json.dumps(guarantee)  # the card names base names, never the user's folders
-    spent = [*quickstart_args(tmp_path / "third", *steps(2), *built[:2]), "--model.pretrained", str(tmp_path / "export2")]
+    spent = [
+        *quickstart_args(tmp_path / "third", *steps(2), *built[:2]),
+        "--model.pretrained",
+        str(tmp_path / "export2"),
+    ]
     spent += ["--trainer.strategy.init_args.target_epsilon", "0.2"]  # the export's 5 steps already spent more
     error = refusal_line(run_dplit_in_process("fit", *spent))
     assert "target_epsilon=0.2 is already spent: these weights' privacy history counts 5 DP steps" in error
