@@ -229,5 +229,7 @@ def _save_classifier(trained: TrainedModel, folder: Path) -> None:
 def export_summary(folder: Path, guarantee: dict[str, Any]) -> str:
     """The line the command prints: where the export went and its guarantee."""
     if guarantee["differentially_private"]:
-        return f"exported to {folder}: (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g})-DP, see README.md"
+        unit = "per user" if guarantee.get("protected_unit") == "user" else "per training example"
+        epsilon, delta = guarantee["epsilon"], guarantee["delta"]
+        return f"exported to {folder}: (ε = {epsilon:.4g}, δ = {delta:.3g})-DP {unit}, see README.md"
     return f"exported to {folder}: NOT differentially private ({guarantee['reason']})"

@@ -25,7 +25,7 @@ from dplit.privacy.history import HISTORY_KEY, PrivacyHistory
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.settings import DPSGDSettings
 from dplit.release.card import model_card
-from dplit.release.export import export_checkpoint
+from dplit.release.export import export_checkpoint, export_summary
 from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.commands import checkpoint_of, quickstart_args, steps
@@ -170,6 +170,7 @@ def test_a_user_level_card_says_per_user_in_its_title_relation_and_not_covered_l
     assert "| neighbouring relation | add/remove one user" in card and "add/remove one example" not in card
     assert K_EPSILON not in card and all("k·ε" not in item for item in guarantee["not_covered"])
     assert "of the 6 training users" in card
+    assert export_summary(Path("out"), guarantee).endswith("-DP per user, see README.md")
 
 
 def test_the_largest_users_rows_are_published_only_when_asked_for_by_name() -> None:
@@ -222,6 +223,7 @@ def test_the_facts_table_describes_no_step_with_the_last_segments_k_when_k_chang
     card = model_card(guarantee, kind="causal LM")
     assert "| rows of a user per step (at most) | per segment, see the history |" in card
     assert "max_rows_per_user" in guarantee["per_segment"] and guarantee["max_rows_per_user"] is None
+    assert "at most k of them (k per segment, see the history)" in guarantee["privacy_unit"]
     same = guarantee_of({HISTORY_KEY: {"version": 1, "segments": [dp_segment(max_grad_norm=0.5)] * 2}})
     assert same["max_grad_norm"] == 0.5 and "| clipping bound C | 0.5 |" in model_card(same, kind="causal LM")
 
