@@ -85,7 +85,8 @@ def _segment_row(segment: dict[str, Any]) -> str:
         ]  # fmt: skip
     elif kind == "public_change":
         statement = _shown(str(segment.get("statement", ""))).replace("\r", " ").replace("\n", "<br>")
-        cells = [PUBLIC_CHANGE, _shown(segment.get("steps")), *["—"] * 6, f'"{statement}"']
+        where = f" ({_shown(segment['where'])})" if segment.get("where") else ""
+        cells = [PUBLIC_CHANGE, _shown(segment.get("steps")), *["—"] * 6, f'"{statement}"{where}']
     else:
         cells = ["NOT private", _shown(segment.get("steps")), *["—"] * 6, _shown(segment.get("reason", kind))]
     return " | ".join(cells)

@@ -230,14 +230,16 @@ def test_the_facts_table_describes_no_step_with_the_last_segments_k_when_k_chang
 
 def test_a_declared_public_change_is_on_the_card_verbatim_and_adds_no_epsilon() -> None:
     statement = "re-initialised the LM head from gpt2 | nothing private used"
-    change = {"kind": "public_change", "statement": statement, "digest": "ab12"}
+    change = {"kind": "public_change", "statement": statement, "where": "found before a DP-SGD fit"}
     plain = guarantee_of({HISTORY_KEY: {"version": 1, "segments": [dp_segment()]}})
     guarantee = guarantee_of({HISTORY_KEY: {"version": 1, "segments": [dp_segment(), change]}})
     assert guarantee["differentially_private"] is True and guarantee["epsilon"] == plain["epsilon"]
     assert guarantee["non_private_steps"] == 0 and guarantee["public_changes"] == 1
     card = model_card(guarantee, kind="causal LM")
     row = next(line for line in card.splitlines() if line.startswith("| 2 |"))
-    assert "public change (declared by the user)" in row and statement.replace("|", "\\|") in row
+    quoted = '"' + statement.replace("|", "\\|") + '"'  # verbatim, its pipe escaped for the table
+    assert "public change (declared by the user)" in row and quoted in row
+    assert row.endswith("(found before a DP-SGD fit) |")
 
 
 def test_a_non_private_segment_makes_the_card_not_private_and_is_on_it() -> None:
