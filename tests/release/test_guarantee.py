@@ -117,6 +117,7 @@ def test_a_user_level_segment_counts_as_replace_one_under_a_per_example_claim(us
     assert "replace-one" in guarantee["neighbouring_relation"] and "PLD" in guarantee["accountant"]
     assert "1 segment(s) that trained over users count as replace-one" in card
     assert "N = 6 users" in card and "N = 13 rows" in card and "of the 13 training rows" not in card
+    assert "| sampling rate q | per segment, see the history |" in card and guarantee["sample_rate"] is None
 
 
 def test_an_example_level_history_keeps_the_prv_epsilon_and_one_relation() -> None:
@@ -224,6 +225,9 @@ def test_the_facts_table_describes_no_step_with_the_last_segments_k_when_k_chang
     assert "| rows of a user per step (at most) | per segment, see the history |" in card
     assert "max_rows_per_user" in guarantee["per_segment"] and guarantee["max_rows_per_user"] is None
     assert "at most k of them (k per segment, see the history)" in guarantee["privacy_unit"]
+    bounds = [dp_segment(max_grad_norm=1.0), dp_segment(max_grad_norm=0.5)]
+    card = model_card(guarantee_of({HISTORY_KEY: {"version": 1, "segments": bounds}}), kind="causal LM")
+    assert "| clipping bound C | per segment, see the history |" in card and "clipped to norm C =" not in card
     same = guarantee_of({HISTORY_KEY: {"version": 1, "segments": [dp_segment(max_grad_norm=0.5)] * 2}})
     assert same["max_grad_norm"] == 0.5 and "| clipping bound C | 0.5 |" in model_card(same, kind="causal LM")
 
