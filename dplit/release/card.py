@@ -113,7 +113,7 @@ def _clip_cell(segment: dict[str, Any]) -> str:
 
 def _history_notes(guarantee: dict[str, Any], segments: list[dict[str, Any]]) -> list[str]:
     """How ε composes the rows above, and what a declared public change is."""
-    if "composed per segment" in str(guarantee.get("neighbouring_relation")):
+    if _over_users(guarantee) and not _per_user(guarantee):
         notes = [
             "ε above composes every DP-SGD row at the smallest of their δ, each under its own relation: a row over "
             "users as replace-one for one training example, the others as add/remove (dp-accounting PLD)."
