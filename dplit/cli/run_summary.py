@@ -10,6 +10,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from dplit.interrupted_run import INTERRUPT_CHECKPOINT
+from dplit.privacy.composition import mixed_epsilon, mixed_units, protected_unit, smallest_delta
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.strategy_hooks import DPSGDHooks
 
@@ -70,8 +71,22 @@ def run_summary(trainer: Trainer) -> str:
 
 
 def privacy_spent(strategy: Any) -> str:
-    """``ε=7.99 at δ=0.00294 after 40 DP steps``, or that the run had no privacy guarantee."""
+    """``ε=7.99 at δ=0.00294 per training example after 40 DP steps``, or that the run had no privacy guarantee.
+
+    The unit is the one the weights' whole history protects: ``per user`` only when every DP segment trained over
+    users. Where some did and others did not, ε is the per-example one that composes each segment under its own
+    relation (a segment over users as replace-one), at the smallest of the segments' δ, as the exported card states.
+    """
     accountant = strategy.accountant if isinstance(strategy, DPSGDHooks) else None
     if accountant is None:
         return "NON-PRIVATE run: no ε, no differential privacy guarantee"
-    return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} after {accountant.steps} DP steps"
+    segments = strategy.dpsgd.history.segments
+    if mixed_units(segments):
+        delta = smallest_delta(segments, accountant.delta)
+        assert delta is not None
+        return (
+            f"ε={mixed_epsilon(segments, delta=delta):.4g} at δ={delta:.3g} per training example after "
+            f"{accountant.steps} DP steps (the segments over users counted as replace-one, by dp-accounting's PLD)"
+        )
+    unit = "per user" if protected_unit(segments) == "user" else "per training example"
+    return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} {unit} after {accountant.steps} DP steps"

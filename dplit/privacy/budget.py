@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, check_accountable
+from dplit.privacy.composition import mixed_epsilon, mixed_units, smallest_delta
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.settings import DPSGDSettings
@@ -50,6 +51,7 @@ class PrivacyBudget:
         """Whether the next step would spend more than ``target_epsilon``."""
         self._planned, self._done, self._at_start, self._verified = math.inf, 0, 0, 0
         self._accounting_seconds, self._started_at = 0.0, time.perf_counter()
+        self._mixed = False  # the history mixes units: ε composes by relation (dp-accounting), per example
 
     @property
     def accountant(self) -> PrivacyAccountant:
@@ -88,6 +90,13 @@ class PrivacyBudget:
             warn(self.world, f"DP-SGD: {change}")
         history.load_state_dict(self.world.broadcast(history.state_dict()))  # rank 0's weights: its history
         self.accountant.load_state_dict({**self.accountant.state_dict(), "history": history.accountant_history()})
+        self._mixed = mixed_units([*history.segments, {"kind": "dp", **segment_facts()}])
+        if self._mixed and settings.target_epsilon is not None:
+            raise ValueError(
+                f"{settings.flag_owner}.target_epsilon cannot bound a privacy history that mixes units (these weights "
+                "took steps over users and over rows; per example, the user-level steps compose as replace-one): "
+                f"give {settings.flag_owner}.noise_multiplier instead, and read ε on the card"
+            )
         check_accountable(
             mechanism=settings.accountant, sample_rate=sample_rate, delta=delta, target_epsilon=settings.target_epsilon,
             steps=int(planned_steps) if math.isfinite(planned_steps) else None, noise_multiplier=settings.noise_multiplier,
@@ -184,9 +193,16 @@ class PrivacyBudget:
             return True
         return self._accounting_seconds <= EPSILON_OVERHEAD * (time.perf_counter() - self._started_at)
 
+    def history_epsilon(self) -> float:
+        """ε of the weights' whole history so far: the accountant's, or, for mixed units, composed by relation."""
+        if not self._mixed:
+            return self.accountant.epsilon()
+        segments = self.history.segments
+        return mixed_epsilon(segments, delta=smallest_delta(segments, default=self.accountant.delta) or 0.0)
+
     def _refresh_epsilon(self) -> None:
         begin = time.perf_counter()
-        self.epsilon_spent = self.accountant.epsilon() if self.ledger.steps else 0.0
+        self.epsilon_spent = self.history_epsilon() if self.ledger.steps else 0.0
         self.epsilon_steps = self.ledger.steps
         self._accounting_seconds += time.perf_counter() - begin
 
@@ -218,7 +234,7 @@ class PrivacyBudget:
             origin = "a resumed checkpoint" if resumed else "earlier training"
             say(
                 self.world,
-                f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={accountant.epsilon():.4g} "
+                f"DP-SGD: these weights already took {history.dp_steps} DP steps ({origin}; ε={self.history_epsilon():.4g} "
                 f"at δ={accountant.delta:.3g}): this run continues their privacy history{bound}",
             )
         reason = history.reason_not_private()

@@ -110,9 +110,9 @@ class PrivacyHistory:
 
     def reason_not_private(self) -> str | None:
         """Why these weights are not differentially private whatever ε says (``None``: nothing found)."""
-        non_private = [segment for segment in self._segments if segment["kind"] == "non_private"]
+        non_private = [segment for segment in self._segments if segment["kind"] not in ("dp", "public_change")]
         if non_private:
-            reasons = "; ".join(sorted({segment["reason"] for segment in non_private}))
+            reasons = "; ".join(sorted({_reason(segment) for segment in non_private}))
             steps = self.non_private_steps
             return f"{steps} of the weights' steps were not private: {reasons}" if steps else reasons
         predictable = [seg for seg in self._segments if seg["kind"] == "dp" and not seg["noise_secure"]]
@@ -264,11 +264,18 @@ class PrivacyHistory:
         self._segments.extend(copy.deepcopy(dict(segment)) for segment in segments)
 
 
+def _reason(segment: Segment) -> str:
+    """Why a segment that is not DP-SGD makes the weights non-private (a kind this dplit does not know counts too)."""
+    if segment["kind"] == "non_private":
+        return str(segment["reason"])
+    return f"a history segment of a kind this dplit does not know ({segment['kind']!r}) counts as not private"
+
+
 def segment_steps(segment: Segment) -> int:
     """The number of steps in one segment."""
     if segment["kind"] == "dp":
         return sum(int(count) for _, _, count in segment["accountant"])
-    return int(segment["steps"])
+    return int(segment.get("steps", 0))
 
 
 def history_in_checkpoint(checkpoint: dict[str, Any], *, check_weights: bool = False) -> PrivacyHistory:

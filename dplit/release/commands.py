@@ -40,7 +40,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def export_main(argv: list[str]) -> None:
-    """``dplit export --ckpt_path CKPT --output_dir DIR [--config CFG] [--adapter_only] [--overwrite]``."""
+    """``dplit export --ckpt_path CKPT --output_dir DIR [--config CFG] [--adapter_only] [--overwrite] [...]``."""
     parser = OneLineArgumentParser(
         prog="dplit export",
         description="Write a trained dplit checkpoint as a Hugging Face folder with its model card.",
@@ -57,12 +57,19 @@ def export_main(argv: list[str]) -> None:
         default=None,
         help="the training data as the card names it (default: the file's base name)",
     )
+    parser.add_argument(
+        "--publish_private_diagnostics",
+        action="store_true",
+        help="state in the card and dp_guarantee.json the values computed from the private data without noise "
+        "(the largest user's row count), each marked as not covered by ε (default: none is released)",
+    )
     args = parser.parse_args(argv)
     rank_zero_info(f"exporting {args.ckpt_path}: rebuilding the model, merging adapters, writing weights and card ...")
     with one_line_interrupt(f"nothing was exported (--output_dir {args.output_dir} is as it was)"):
         folder = export_checkpoint(
             args.ckpt_path, args.output_dir, config=args.config, adapter_only=args.adapter_only,
             overwrite=args.overwrite, data_description=args.data_description,
+            publish_private_diagnostics=args.publish_private_diagnostics,
         )  # fmt: skip
     rank_zero_info(export_summary(folder, _guarantee(folder)))
 

@@ -21,8 +21,9 @@ from dplit.backbone.adapters import adapter_parameters
 from dplit.backbone.embeddings import is_tied
 from dplit.data.tasks import get_task
 from dplit.privacy.export_seal import seal_export
+from dplit.release.card import model_card
 from dplit.release.checkpoint import check_checkpoint_file
-from dplit.release.guarantee import GUARANTEE_FILE, model_card
+from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.release.trained import TrainedModel, load_trained
 
 CLASSIFIER_FILE = "dplit_classifier.json"
@@ -37,6 +38,7 @@ def export_checkpoint(
     adapter_only: bool = False,
     overwrite: bool = False,
     data_description: str | None = None,
+    publish_private_diagnostics: bool = False,
 ) -> Path:
     """Write ``output_dir``: weights, config, generation config, tokenizer, ``README.md`` and ``dp_guarantee.json``.
 
@@ -47,6 +49,9 @@ def export_checkpoint(
         adapter_only: write peft's adapter folder (``PeftModel.from_pretrained`` loads it) instead of the merged model.
         overwrite: replace an earlier dplit export in ``output_dir``.
         data_description: what the card says the training data was (default: the file's or folder's base name).
+        publish_private_diagnostics: state in the card and ``dp_guarantee.json`` the values the run computed from
+            the private data without noise (the largest user's row count), each marked as not covered by ε. Off
+            (the default), the released files carry none; the local ledger and TensorBoard are unchanged.
 
     Returns:
         The folder written.
@@ -56,7 +61,7 @@ def export_checkpoint(
     """
     check_checkpoint_file(ckpt_path, flag="--ckpt_path")
     target = check_output_dir(output_dir, overwrite=overwrite)
-    trained = load_trained(ckpt_path, config=config)
+    trained = load_trained(ckpt_path, config=config, publish_private_diagnostics=publish_private_diagnostics)
     if data_description:
         trained.guarantee["data_source"] = data_description
     if adapter_only:
@@ -226,5 +231,7 @@ def _save_classifier(trained: TrainedModel, folder: Path) -> None:
 def export_summary(folder: Path, guarantee: dict[str, Any]) -> str:
     """The line the command prints: where the export went and its guarantee."""
     if guarantee["differentially_private"]:
-        return f"exported to {folder}: (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g})-DP, see README.md"
+        unit = "per user" if guarantee.get("protected_unit") == "user" else "per training example"
+        epsilon, delta = guarantee["epsilon"], guarantee["delta"]
+        return f"exported to {folder}: (ε = {epsilon:.4g}, δ = {delta:.3g})-DP {unit}, see README.md"
     return f"exported to {folder}: NOT differentially private ({guarantee['reason']})"

@@ -335,7 +335,9 @@ def privacy_line(guarantee: dict[str, Any] | None, count: int) -> str:
         return f"the {count} samples' privacy is UNKNOWN: the model folder has no {GUARANTEE_FILE}"
     if not guarantee.get("differentially_private"):
         return f"the {count} samples are NOT differentially private: the model is not ({guarantee.get('reason')})"
+    per_user = guarantee.get("protected_unit", "user" if "users" in guarantee else "example") == "user"
     return (
         f"the {count} samples are (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g})-differentially "
-        "private per training example, as the model is (post-processing of its weights and public prompts only)"
+        f"private {'per user' if per_user else 'per training example'}, as the model is (post-processing of its "
+        "weights and public prompts only)"
     )

@@ -1,7 +1,8 @@
-"""The (ε, δ) guarantee of a trained checkpoint, as ``dp_guarantee.json`` and a model card a privacy reviewer reads."""
+"""The (ε, δ) guarantee of a trained checkpoint, as ``dp_guarantee.json`` states it (the card: :mod:`dplit.release.card`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,9 @@ from typing import Any
 from dplit.data.sources import HUB_DATASET
 from dplit.privacy.accounting import PrivacyAccountant
 from dplit.privacy.accounting.relations import epsilon_under
-from dplit.privacy.history import GUARANTEE_FILE, history_in_checkpoint, segment_steps
+from dplit.privacy.composition import dp_segments, mixed_epsilon, mixed_units, protected_unit, smallest_delta
+from dplit.privacy.history import GUARANTEE_FILE as GUARANTEE_FILE  # re-exported: where release code finds it
+from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.release.provenance import RELEASE_KEY
 
@@ -17,78 +20,102 @@ NEIGHBOURING_RELATION = (
     "add/remove one example (ε above); the card publishes N and q, which add/remove treats as secret, so ε under "
     "replace-one (substitution, N public) is given too"
 )
+USER_RELATION = (
+    "add/remove one user with all of that user's rows (ε above); the card publishes N and q (users), which "
+    "add/remove treats as secret, so ε under replace-one (one user substituted, N public) is given too"
+)
+MIXED_RELATION = (
+    "add/remove one example (ε above), composed per segment: a segment that trained over users counts as "
+    "replace-one for one row (a row of a multi-row user can move that user's clipped sum by up to 2C), the others "
+    "as add/remove; ε under replace-one throughout (N public) is given too"
+)
+MIXED_ACCOUNTANT = "dp-accounting PLD, each segment under its own relation (opacus' PRV composes one relation only)"
 NEVER_PRIVATE = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
 PRIVACY_UNIT = "one training example (one row of the training data)"
+GROUP_PRIVACY = "groups of rows: a person with k rows in the training data is protected at about k·ε"
 NOT_COVERED = (
     "choosing hyperparameters (learning rate, C, epochs, ...) by runs on the private data: each such run spends "
     "privacy that this ε does not count",
     "the diagnostics a run logs unless DPStrategy.private_diagnostics=false: train/* (loss, accuracy), dp/grad_norm, "
     "dp/clip_fraction, dp/dropped_examples, perf/samples_per_sec (the realised batch size), memory/peak_mb, the "
     "longest training prompt the GLUE datamodule reports and, under user-level DP, the largest user's row count "
-    "are computed from the private data without noise, so they must not leave the trust boundary; where this card "
-    "states that count, publish the card only if the count may be published",
+    "are computed from the private data without noise, so they must not leave the trust boundary; this card and "
+    "dp_guarantee.json state such a value only where `dplit export --publish_private_diagnostics` asked for it, "
+    "marked as not covered by ε",
     "validation metrics computed on data that is itself private (val/*): only the model's weights are covered",
     "the non-secure RNG: noise and Poisson sampling come from torch's generators seeded from the operating "
     "system's entropy, not from a cryptographically secure sampler, and floating-point noise is not "
     "hardened against floating-point attacks",
     "the pretraining data of the base model and any data outside the training set",
-    "groups of rows: a person with k rows in the training data is protected at about k·ε",
+    GROUP_PRIVACY,
 )
+PRIVATE_DIAGNOSTICS = ("largest_user_rows",)
+"""Values a guarantee can state that are computed from the private data without noise (published only on request)."""
 
 
-def guarantee_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
+def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: bool = False) -> dict[str, Any]:
     """The privacy facts of a loaded Lightning checkpoint: its weights' privacy history, its run ledger, its model.
 
     ε composes every DP segment of the weights' history (every fit, resume and refit, and an export they were built
-    from), at the last run's δ. The weights get ``differentially_private: false`` and the reason when any step of
-    their history was taken without DP-SGD or with predictable noise (an explicit seed), when σ = 0, or when they
-    were never trained with :class:`~dplit.strategy.DPStrategy`.
+    from) at the smallest of their δ, by the relation the guarantee states: per user when every segment protected
+    users, else per example, a user-level segment then counting as replace-one (dp-accounting's PLD composes the
+    segments, each under its own relation). The weights get ``differentially_private: false`` and the reason when
+    any step of their history was taken without DP-SGD or with predictable noise (an explicit seed), when σ = 0, or
+    when they were never trained with :class:`~dplit.strategy.DPStrategy`. A change the user declared public
+    (``public_change``) is listed and adds no ε.
+
+    Args:
+        checkpoint: a loaded Lightning checkpoint of dplit.
+        publish_private_diagnostics: state the values of :data:`PRIVATE_DIAGNOSTICS` the run's ledger recorded
+            (computed from the private data without noise: each is marked as not covered by ε). Off: none is stated.
     """
-    facts = {**_training_facts(checkpoint), "not_covered": list(NOT_COVERED)}
-    history = history_in_checkpoint(checkpoint, check_weights=True)
+    state = _history_state(checkpoint)
+    segments = state["segments"]
+    counted = PrivacyHistory(_counted_segments(segments))
+    dp = dp_segments(segments)
+    unit = protected_unit(dp)
+    public = [segment for segment in segments if segment.get("kind") == "public_change"]
+    facts = {**_training_facts(checkpoint), **_origin_facts(state.get("origin")), "not_covered": _not_covered(unit)}
+    record = {"privacy_history": state, "non_private_steps": counted.non_private_steps, "public_changes": len(public)}
+    if not dp:
+        reason = counted.reason_not_private() or NEVER_PRIVATE
+        return {"differentially_private": False, "reason": reason, "protected_unit": unit, **record, **facts}
     ledger = checkpoint.get(CHECKPOINT_KEY)
-    record = {"privacy_history": history.state_dict(), "non_private_steps": history.non_private_steps}
-    segments = [segment for segment in history.segments if segment["kind"] == "dp"]
-    if not segments:
-        reason = history.reason_not_private() or NEVER_PRIVATE
-        return {"differentially_private": False, "reason": reason, **record, **facts}
-    last = ledger or segments[-1]
-    # a user is protected only if every DP segment protected users: one example-level segment protects rows only
-    unit = last if all(segment.get("privacy_unit") == "user" for segment in segments) else {}
-    delta = last["accountant"]["delta"] if ledger else last["delta"]
-    mechanism = last["accountant"]["mechanism"] if ledger else last["mechanism"]
-    accountant = PrivacyAccountant(delta=delta, mechanism=mechanism)
-    accountant.load_state_dict({"delta": delta, "mechanism": mechanism, "history": history.accountant_history()})
-    epsilon = accountant.epsilon()
-    replace_one = epsilon_under("replace_one", history.accountant_history(), delta=delta)
-    reason = history.reason_not_private()
+    last = ledger or dp[-1]
+    delta, mechanism = _delta_and_mechanism(dp, ledger)
+    epsilon, accountant = _epsilon(dp, counted, delta=delta, mechanism=mechanism)
+    replace_one = epsilon_under("replace_one", counted.accountant_history(), delta=delta)
+    reason = counted.reason_not_private()
     if reason is None and not math.isfinite(epsilon):
         reason = "trained with noise_multiplier = 0: no noise, ε = ∞"
+    shared, varying = per_segment_facts(dp, last)
+    diagnostics = _diagnostics(ledger, unit) if publish_private_diagnostics else {}
     return {
         "differentially_private": reason is None,
         **({"reason": reason} if reason else {}),
         "epsilon": epsilon if math.isfinite(epsilon) else None,
         "delta": delta,
-        "accountant": mechanism,
-        "neighbouring_relation": NEIGHBOURING_RELATION,
+        "accountant": accountant,
+        "protected_unit": unit,
+        "neighbouring_relation": _relation_text(dp),
         "epsilon_replace_one": replace_one if math.isfinite(replace_one) else None,
-        "noise_multiplier": last.get("noise_multiplier"),
-        "max_grad_norm": last.get("max_grad_norm"),
-        "expected_batch_size": last.get("expected_batch_size"),
-        "sample_rate": last.get("sample_rate"),
+        **{key: value for key, value in shared.items() if key not in USER_FACTS},
         "sampling": last.get("sampling", "poisson"),
-        "steps": history.dp_steps,
-        "segments": len(segments),
-        "accountant_history": [list(entry) for entry in history.accountant_history()],
-        "dataset_size": last.get("dataset_size"),
-        "privacy_unit": privacy_unit_text(unit),
-        **_user_counts(unit),
+        "steps": counted.dp_steps,
+        "segments": len(dp),
+        "accountant_history": [list(entry) for entry in counted.accountant_history()],
+        "dataset_sizes": _dataset_sizes(dp, last),
+        "units_per_dataset": _units_per_dataset(dp, last),
+        "privacy_unit": privacy_unit_text(unit, {**shared, **diagnostics}, asked=publish_private_diagnostics),
+        **({key: shared[key] for key in USER_FACTS} if unit == "user" else {}),
+        **diagnostics,
+        **({"private_diagnostics_published": list(diagnostics)} if diagnostics else {}),
         "clipping": last.get("clipping"),
-        "clip_mode": last.get("clip_mode", "fixed"),
-        **{key: last[key] for key in CLIP_MODE_FACTS if last.get(key) is not None},
+        **_clip_mode_facts(last, varying),
         "tied_norm": last.get("tied_norm"),
-        "noise": _noise_sources(segments),
+        "noise": _noise_sources(dp),
         "run_id": last.get("run_id"),
+        "per_segment": varying,
         **record,
         **facts,
     }
@@ -100,50 +127,166 @@ CLIP_MODE_FACTS = (
 )  # fmt: skip
 """The clipping mode's own facts a card states (quantile: γ, η, σ_b, σ_eff and the last C; automatic: γ)."""
 
-
-def _clipping_text(g: dict[str, Any]) -> str:
-    """How each unit's gradient was bounded, for the card's statement."""
-    if g.get("clip_mode") == "quantile":
-        return (
-            f"clipped to a bound C_t that privately tracks the {g.get('target_quantile')}-quantile of the norms "
-            f"(C_0 = {g['max_grad_norm']}, last C = {_shown(g.get('clip_bound'))}; {g['clipping']} clipping; the "
-            f"noisy count and the gradient together are one Gaussian mechanism of multiplier σ)"
-        )
-    if g.get("clip_mode") == "automatic":
-        return (
-            f"scaled by C / (‖g‖ + {g.get('automatic_stability')}) to norm below C = {g['max_grad_norm']} "
-            f"(automatic clipping, {g['clipping']})"
-        )
-    return f"clipped to norm C = {g['max_grad_norm']} ({g['clipping']} clipping)"
+USER_FACTS = ("users", "max_rows_per_user")
+"""The user-level counts a per-user guarantee states (a per-example one states none)."""
+SEGMENT_FACTS = ("max_grad_norm", "clip_mode", "dataset_size", "users", "max_rows_per_user")
+"""Facts each DP segment records: the card states one value only where every segment agrees."""
 
 
-def privacy_unit_text(facts: dict[str, Any]) -> str:
-    """What one unit of protection is: a training row, or a user with all of its rows (from the run's facts)."""
-    if facts.get("privacy_unit") != "user":
-        return PRIVACY_UNIT
-    return (
-        f"one user (all of that user's training rows; at most {facts.get('max_rows_per_user')} of them are used in "
-        f"any step, drawn at random, so a user's rows beyond that are not seen in that step; "
-        f"{_largest_user_text(facts.get('largest_user_rows'))})"
-    )
-
-
-def _largest_user_text(rows: int | None) -> str:
-    """The largest user's row count as the card states it: a private diagnostic, or why it is not stated."""
-    if rows is None:
-        return "the largest user's row count is withheld (DPStrategy.private_diagnostics=false, or not recorded)"
-    return (
-        f"the largest user has {rows} rows, a count computed from the private data without noise and not covered "
-        "by ε (withheld under DPStrategy.private_diagnostics=false)"
-    )
-
-
-def _user_counts(facts: dict[str, Any]) -> dict[str, Any]:
-    """The user-level counts a card states (none for example-level DP; the largest user's rows when recorded)."""
-    if facts.get("privacy_unit") != "user":
+def _clip_mode_facts(last: dict[str, Any], varying: list[str]) -> dict[str, Any]:
+    """The last run's clip-mode facts (γ, η, σ_b, σ_eff, C_t), or none when the segments' clip modes differ."""
+    if "clip_mode" in varying:
         return {}
-    counts = {key: facts.get(key) for key in ("users", "max_rows_per_user")}
-    return {**counts, "largest_user_rows": facts["largest_user_rows"]} if "largest_user_rows" in facts else counts
+    return {key: last[key] for key in CLIP_MODE_FACTS if last.get(key) is not None}
+
+
+def per_segment_facts(dp: list[Any], last: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The facts that describe every DP step, and the names of those whose value differs between segments.
+
+    A fact no segment records (an old history) is the last run's; one that differs (σ, q, C, clip mode, N, the
+    users' k, ...) is ``None`` in the record and :data:`PER_SEGMENT` on the card, never the last segment's value.
+    """
+    shared: dict[str, Any] = {}
+    varying: list[str] = []
+    for key in SEGMENT_FACTS:
+        values = {_hashable(segment.get(key)) for segment in dp}
+        if len(values) > 1:
+            varying.append(key)
+        shared[key] = None if len(values) > 1 else (next(iter(values)) if values != {None} else last.get(key))
+    shared["clip_mode"] = shared["clip_mode"] or ("fixed" if "clip_mode" not in varying else None)
+    entries = [entry for segment in dp for entry in segment["accountant"]]
+    for key, index in (("noise_multiplier", 0), ("sample_rate", 1)):
+        values = {float(entry[index]) for entry in entries}
+        if len(values) > 1:
+            varying.append(key)
+        shared[key] = last.get(key) if len(values) <= 1 else None
+    if {"sample_rate", "dataset_size"} & set(varying):
+        varying.append("expected_batch_size")
+    shared["expected_batch_size"] = None if "expected_batch_size" in varying else last.get("expected_batch_size")
+    return shared, varying
+
+
+def _hashable(value: Any) -> Any:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value
+
+
+def _history_state(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The weights' history as the record states it, with its public starting point when the checkpoint names one."""
+    state = history_in_checkpoint(checkpoint, check_weights=True).state_dict()
+    saved = checkpoint.get(HISTORY_KEY)
+    origin = state.get("origin") or (saved.get("origin") if isinstance(saved, dict) else None)
+    return {**state, "origin": origin} if origin is not None else state
+
+
+def _counted_segments(segments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What ε and the verdict count: DP and non-private segments (a segment of an unknown kind is non-private).
+
+    A declared public change adds no ε and does not make the weights non-private: it is listed, not counted.
+    """
+    counted = []
+    for segment in segments:
+        kind = segment.get("kind")
+        if kind == "public_change":
+            continue
+        if kind not in ("dp", "non_private"):
+            reason = f"a history segment of a kind this dplit does not know ({kind!r}): its steps cannot be vouched for"
+            segment = {"kind": "non_private", "steps": int(segment.get("steps") or 0), "reason": reason}
+        counted.append(segment)
+    return counted
+
+
+def _delta_and_mechanism(dp: list[dict[str, Any]], ledger: dict[str, Any] | None) -> tuple[float, str]:
+    """δ: the smallest of the segments' (and the last run's), never the last segment's alone; the last accountant."""
+    ran = ledger["accountant"] if ledger else dp[-1]
+    last_delta = ran["delta"]
+    delta = min(smallest_delta(dp, last_delta), last_delta)  # type: ignore[type-var]
+    return float(delta), ran["mechanism"]
+
+
+def _epsilon(dp: list[dict[str, Any]], counted: PrivacyHistory, *, delta: float, mechanism: str) -> tuple[float, str]:
+    """ε at δ and the accountant that gave it: the run's (PRV or RDP) for one relation, the PLD for mixed units."""
+    if mixed_units(dp):
+        return mixed_epsilon(dp, delta=delta), MIXED_ACCOUNTANT
+    accountant = PrivacyAccountant(delta=delta, mechanism=mechanism)  # type: ignore[arg-type]
+    accountant.load_state_dict({"delta": delta, "mechanism": mechanism, "history": counted.accountant_history()})
+    return accountant.epsilon(), mechanism
+
+
+def _relation_text(dp: list[dict[str, Any]]) -> str:
+    if mixed_units(dp):
+        return MIXED_RELATION
+    return USER_RELATION if protected_unit(dp) == "user" else NEIGHBOURING_RELATION
+
+
+def _not_covered(unit: str) -> list[str]:
+    """What ε does not cover; a per-user guarantee covers a person's rows as one unit (no group-privacy item)."""
+    return [item for item in NOT_COVERED if not (unit == "user" and item == GROUP_PRIVACY)]
+
+
+def _dataset_sizes(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[int]:
+    """Every distinct N the DP segments trained on, in order (the last run's when no segment records one)."""
+    sizes = [segment["dataset_size"] for segment in dp if segment.get("dataset_size") is not None]
+    return list(dict.fromkeys(sizes)) or ([last["dataset_size"]] if last.get("dataset_size") is not None else [])
+
+
+def _units_per_dataset(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[list[Any]]:
+    """Every distinct (N, what N counts: ``"rows"`` or ``"users"``) of the DP segments, in order."""
+    pairs = [
+        (segment.get("dataset_size"), "users" if segment.get("privacy_unit") == "user" else "rows")
+        for segment in dp
+        if segment.get("dataset_size") is not None
+    ]
+    if not pairs and last.get("dataset_size") is not None:
+        pairs = [(last["dataset_size"], "users" if last.get("privacy_unit") == "user" else "rows")]
+    return [list(pair) for pair in dict.fromkeys(pairs)]
+
+
+def _diagnostics(ledger: dict[str, Any] | None, unit: str) -> dict[str, Any]:
+    """The private diagnostics the last run's ledger recorded that the guarantee may state (on request only)."""
+    if not ledger or unit != "user":
+        return {}
+    return {key: ledger[key] for key in PRIVATE_DIAGNOSTICS if ledger.get(key) is not None}
+
+
+def _origin_facts(origin: dict[str, Any] | None) -> dict[str, Any]:
+    """The weights' public starting point (e.g. ``hub model gpt2``) and its digest, when the history names them."""
+    if not origin:
+        return {}
+    return {"starting_point": origin.get("description"), "starting_point_digest": origin.get("digest")}
+
+
+def privacy_unit_text(unit: str, facts: dict[str, Any], *, asked: bool = False) -> str:
+    """What one unit of protection is: a training row, or a user with all of its rows.
+
+    Args:
+        unit: ``"user"`` or ``"example"`` (:func:`~dplit.privacy.composition.protected_unit`).
+        facts: the users' k (``max_rows_per_user``, ``None`` when it differs between segments) and the largest
+            user's row count when it is published.
+        asked: whether the export asked for private diagnostics (``--publish_private_diagnostics``).
+    """
+    if unit != "user":
+        return PRIVACY_UNIT
+    k = facts.get("max_rows_per_user")
+    most = f"at most {k} of them are used" if k is not None else "at most k of them (k per segment, see the history)"
+    return (
+        f"one user (all of that user's training rows; {most} in any step, drawn at random, so a user's rows beyond "
+        f"that are not seen in that step; {_largest_user_text(facts.get('largest_user_rows'), asked=asked)})"
+    )
+
+
+def _largest_user_text(rows: int | None, *, asked: bool) -> str:
+    """The largest user's row count as the card states it: published on request, else why it is not stated."""
+    if rows is not None:
+        return (
+            f"the largest user has {rows} rows, a count computed from the private data without noise and not covered "
+            "by ε, stated because the export asked for it (--publish_private_diagnostics)"
+        )
+    if asked:
+        return "the largest user's row count is not stated: not recorded (DPStrategy.private_diagnostics=false)"
+    return (
+        "the largest user's row count is withheld: it is computed from the private data without noise "
+        "(dplit export --publish_private_diagnostics states it)"
+    )
 
 
 def _noise_sources(segments: list[dict[str, Any]]) -> str:
@@ -209,119 +352,3 @@ def public_name(name: str | None) -> str | None:
     text = str(name)
     local = text.startswith(("/", "~", ".", "\\")) or Path(text).expanduser().exists() or text.count("/") > 1
     return Path(text).name if local else text
-
-
-def model_card(guarantee: dict[str, Any], *, kind: str) -> str:
-    """``README.md`` of an export: the guarantee (or its absence, in the first line), then every fact behind it.
-
-    Args:
-        guarantee: :func:`guarantee_of`'s record.
-        kind: what the folder holds, e.g. ``"causal LM"`` or ``"label-word classifier (a causal LM)"``.
-    """
-    if guarantee["differentially_private"]:
-        title = (
-            f"# Differentially private {kind}: (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g}) "
-            "per training example (add/remove one)"
-        )
-    else:
-        title = f"# NOT differentially private {kind}: {guarantee['reason']}"
-    lines = [title, "", f"Fine-tuned with dplit {guarantee['dplit_version']} (commit {guarantee['dplit_commit']})."]
-    if guarantee["differentially_private"]:
-        lines += ["", _statement(guarantee)]
-    lines += ["", "## Privacy facts", "", "| fact | value |", "|---|---|"]
-    lines += [f"| {name} | {_shown(guarantee.get(key))} |" for key, name in _FACTS if key in guarantee]
-    lines += ["", "## Privacy history of these weights", "", *_history_table(guarantee["privacy_history"]["segments"])]
-    lines += ["", "## Not covered by this guarantee", ""]
-    lines += [f"- {item}" for item in guarantee["not_covered"]]
-    lines += ["", f"The same facts, machine-readable, are in `{GUARANTEE_FILE}`.", ""]
-    return "\n".join(lines)
-
-
-def _history_table(segments: list[dict[str, Any]]) -> list[str]:
-    """Every segment of the weights' privacy history, one row each (every fit, resume, refit and non-private step)."""
-    if not segments:
-        return ["No training step is recorded for these weights."]
-    rows = ["| # | kind | steps | σ, q (steps) | C | N | noise | note |", "|---|---|---|---|---|---|---|---|"]
-    for number, segment in enumerate(segments, start=1):
-        if segment["kind"] == "dp":
-            entries = ", ".join(f"{sigma:.4g}, {rate:.4g} ({count})" for sigma, rate, count in segment["accountant"])
-            facts = [entries, _shown(segment.get("max_grad_norm")), _shown(segment.get("dataset_size"))]
-            rows.append(
-                f"| {number} | DP-SGD | {segment_steps(segment)} | {' | '.join(facts)} | {_shown(segment.get('noise'))} "
-                f"| {_shown(segment.get('note'))} |"
-            )
-        else:
-            rows.append(
-                f"| {number} | NOT private | {segment_steps(segment)} | — | — | — | — | {_shown(segment['reason'])} |"
-            )
-    composed = "ε above composes every DP-SGD row as if all were on the same data (an upper bound for each dataset)."
-    return [*rows, "", composed]
-
-
-def _statement(g: dict[str, Any]) -> str:
-    users = "users" in g  # user-level DP: the unit, N and q are users
-    unit, units = ("user", "users") if users else ("example", "rows")
-    return (
-        f"The weights in this folder are ({g['epsilon']:.4g}, {g['delta']:.3g})-differentially private with respect "
-        f"to {g['privacy_unit']} of the {g['dataset_size']} training {units}: DP-SGD with {g['sampling']} sampling "
-        f"(rate q = {g['sample_rate']:.6g}, expected batch {g['expected_batch_size']:.6g} {units}), every {unit}'s "
-        f"{'summed ' if users else ''}gradient {_clipping_text(g)}, "
-        f"Gaussian noise of σ = "
-        f"{g['noise_multiplier']:.6g} times C once per step, {g['steps']} steps in {g['segments']} segment(s) of the "
-        f"weights' privacy history, ε from the {g['accountant']} accountant. Neighbouring datasets differ by adding or "
-        f"removing one {unit}; under replace-one (one {unit} substituted, N public) ε = "
-        f"{_shown(g.get('epsilon_replace_one'))} (dp-accounting PLD). Anything computed from these weights alone "
-        "(generated text, predictions) has the same guarantee."
-    )
-
-
-_FACTS = (
-    ("epsilon", "ε"),
-    ("delta", "δ"),
-    ("accountant", "accountant"),
-    ("neighbouring_relation", "neighbouring relation"),
-    ("epsilon_replace_one", "ε under replace-one"),
-    ("noise_multiplier", "noise multiplier σ"),
-    ("max_grad_norm", "clipping bound C"),
-    ("expected_batch_size", "expected batch size"),
-    ("sample_rate", "sampling rate q"),
-    ("sampling", "sampling method"),
-    ("steps", "DP steps"),
-    ("segments", "DP segments (fits, resumes, refits)"),
-    ("non_private_steps", "steps without DP-SGD"),
-    ("dataset_size", "training rows N (users, under user-level DP)"),
-    ("privacy_unit", "privacy unit"),
-    ("users", "training users N"),
-    ("max_rows_per_user", "rows of a user per step (at most)"),
-    ("largest_user_rows", "rows of the largest user (computed without noise: not covered by ε)"),
-    ("clipping", "clipping engine"),
-    ("clip_mode", "clipping bound"),
-    ("target_quantile", "target quantile γ of the norms"),
-    ("clip_learning_rate", "bound learning rate η"),
-    ("count_noise_multiplier", "count noise σ_b (examples)"),
-    ("gradient_noise_multiplier", "gradient noise multiplier σ_eff"),
-    ("clip_bound", "last clipping bound C"),
-    ("automatic_stability", "automatic clipping γ"),
-    ("tied_norm", "tied-weight norm"),
-    ("noise", "noise seeding"),
-    ("embedding_policy", "embedding policy"),
-    ("tied_embeddings", "tied embeddings"),
-    ("adapters", "adapters"),
-    ("train_embeddings", "embeddings trained"),
-    ("data_source", "data source"),
-    ("base_model", "base model"),
-    ("base_model_gguf_file", "base model GGUF file"),
-    ("base_model_quantization", "base model quantisation (frozen, trained on)"),
-    ("dplit_version", "dplit version"),
-    ("dplit_commit", "dplit commit"),
-    ("run_id", "run id"),
-)
-
-
-def _shown(value: Any) -> str:
-    if isinstance(value, dict):
-        args = ", ".join(f"{key}={item!r}" for key, item in (value.get("init_args") or {}).items())
-        return f"`{value.get('class_path')}({args})`"
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    return "—" if value is None else str(value).replace("|", "\\|")

@@ -43,7 +43,13 @@ class TrainedModel:
         return "head" in self.hparams
 
 
-def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, flag: str = "--ckpt_path") -> TrainedModel:
+def load_trained(
+    ckpt_path: str | Path,
+    *,
+    config: str | Path | None = None,
+    flag: str = "--ckpt_path",
+    publish_private_diagnostics: bool = False,
+) -> TrainedModel:
     """Rebuild the module of a dplit checkpoint from its hyperparameters and load its weights (nothing is trained).
 
     A checkpoint that carries its backbone's config and tokenizer (dplit writes both) needs nothing else: the
@@ -54,6 +60,8 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
         ckpt_path: a checkpoint written by ``dplit fit`` or ``dplit lm fit``.
         config: the run's YAML config, for a checkpoint without dplit's release record (its ``model.embeddings``).
         flag: the command-line flag named in errors.
+        publish_private_diagnostics: let the guarantee state the run's private diagnostics (see
+            :func:`~dplit.release.guarantee.guarantee_of`); off, it states none.
 
     Raises:
         ValueError: in one line naming ``flag`` for a missing file or one that is not a dplit checkpoint, or naming
@@ -74,7 +82,8 @@ def load_trained(ckpt_path: str | Path, *, config: str | Path | None = None, fla
     else:
         datamodule_class = _imported(record.get("datamodule") or DATAMODULES[_kind(hparams)])
         tokenizer = datamodule_class.tokenizer_for(data_hparams)
-    return TrainedModel(module.eval(), tokenizer, guarantee_of(checkpoint), hparams, data_hparams)
+    guarantee = guarantee_of(checkpoint, publish_private_diagnostics=publish_private_diagnostics)
+    return TrainedModel(module.eval(), tokenizer, guarantee, hparams, data_hparams)
 
 
 def _rebuilt(

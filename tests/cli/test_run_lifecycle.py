@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
+from dplit.privacy.accounting.relations import epsilon_composed
 from tests.helpers.commands import CONFIGS
 from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
+from tests.helpers.fitting import fit, make_model
 
 
 def quickstart(run: Path, *extra: str) -> list[str]:
@@ -25,7 +27,9 @@ def quickstart(run: Path, *extra: str) -> list[str]:
 
 def preempt(command: list[str], run: Path) -> tuple[int, str]:
     """Start ``command``, send it SIGTERM once its first DP step is in the ledger; (exit code, output)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_environment())
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=user_environment()
+    )
     started = time.monotonic()
     while not list(run.rglob("privacy_ledger.json")) and process.poll() is None and time.monotonic() - started < 300:
         time.sleep(0.2)
@@ -62,3 +66,22 @@ def test_sigterm_exits_143_saying_how_to_resume_and_the_resumed_run_names_what_i
 
 def test_a_non_private_run_says_it_spent_no_epsilon() -> None:
     assert privacy_spent(object()) == "NON-PRIVATE run: no ε, no differential privacy guarantee"
+
+
+def test_the_end_of_fit_line_names_the_unit_the_weights_history_protects(tmp_path: Path) -> None:
+    """Per user only when every DP segment trained over users; mixed units: the composed per-example ε (issue 49)."""
+    _, strategy = fit(tmp_path, make_model(), max_steps=2, noise_multiplier=1.0, seed=None)
+    history, accountant = strategy.dpsgd.history, strategy.accountant
+    assert accountant is not None
+    ran = history.segments
+    assert privacy_spent(strategy).endswith(f"at δ={accountant.delta:.3g} per training example after 2 DP steps")
+    users = {"privacy_unit": "user", "users": 64, "max_rows_per_user": 2}
+    history.load_state_dict({"segments": [{**segment, **users} for segment in ran]})
+    assert (
+        privacy_spent(strategy) == f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} per user after 2 DP steps"
+    )
+    history.load_state_dict({"segments": [{**ran[0], **users}, *ran]})  # over users, then over rows
+    line = privacy_spent(strategy)
+    composed = epsilon_composed([("replace_one", 1.0, 0.25, 2), ("add_remove", 1.0, 0.25, 2)], delta=accountant.delta)
+    assert line.startswith(f"ε={composed:.4g} at δ={accountant.delta:.3g} per training example after")
+    assert "counted as replace-one" in line

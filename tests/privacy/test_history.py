@@ -24,8 +24,9 @@ from dplit.privacy.history import (
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
 from dplit.privacy.warnings import PrivacyWarning
+from dplit.release.card import model_card
 from dplit.release.export import export_checkpoint
-from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of, model_card
+from dplit.release.guarantee import GUARANTEE_FILE, guarantee_of
 from dplit.strategy import DPStrategy
 from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import refusal_line, run_dplit_in_process

@@ -25,7 +25,7 @@ from dplit.release.guarantee import GUARANTEE_FILE, PRIVACY_UNIT, guarantee_of
 from dplit.tasks.classifier import CausalLMClassifier
 from tests.helpers.brute_force import clipped_sum, per_unit_gradients
 from tests.helpers.commands import checkpoint_of, quickstart_args, steps
-from tests.helpers.executable import run_dplit
+from tests.helpers.executable import run_dplit, run_dplit_in_process
 from tests.helpers.tiny import LABEL_WORDS, TINY_GPT2, VOCAB
 
 USERS = [0, 1, 1, 2, 2, 2, 3, 4, 4, 4, 4, 4, 5]
@@ -109,25 +109,30 @@ def test_the_card_says_per_user_only_when_every_segment_protected_users() -> Non
 
 @pytest.mark.parametrize("private_diagnostics", [True, False])
 def test_the_card_states_the_largest_users_rows_only_as_a_private_diagnostic(private_diagnostics: bool) -> None:
-    """The largest user's row count (5 of :data:`USERS`) is computed without noise: stated, outside ε, or withheld.
+    """The largest user's row count (5 of :data:`USERS`) is computed without noise: stated outside ε, or not at all.
 
-    The run's ledger states it, marked as outside ε, only while ``private_diagnostics`` is on; the weights' history
-    never holds it (it outlives the run), so a later run with the diagnostics off withholds it everywhere.
+    The run's ledger records it only while ``private_diagnostics`` is on, and a guarantee states it only when the
+    export asks for it by name (issue 49 §4); the weights' history never holds it (it outlives the run), so a later
+    run with the diagnostics off leaves nothing to state.
     """
     history = PrivacyHistory()
     run = one_step(classifier(), user_dataset(), history, private_diagnostics=private_diagnostics)
-    card = guarantee_of({HISTORY_KEY: history.state_dict(), CHECKPOINT_KEY: run.state_dict()})
+    checkpoint = {HISTORY_KEY: history.state_dict(), CHECKPOINT_KEY: run.state_dict()}
+    card = guarantee_of(checkpoint, publish_private_diagnostics=True)
     assert ("largest_user_rows" in card) is private_diagnostics
     assert "largest_user_rows" not in json.dumps(history.state_dict())
+    assert "largest_user_rows" not in json.dumps(guarantee_of(checkpoint))  # not asked for: never released
     if private_diagnostics:
         assert card["largest_user_rows"] == max(USERS.count(user) for user in set(USERS)) == 5
         stated = "the largest user has 5 rows, a count computed from the private data without noise"
-        assert stated in card["privacy_unit"]
+        assert stated in card["privacy_unit"] and "withheld" not in card["privacy_unit"]
     else:
-        assert "the largest user's row count is withheld" in card["privacy_unit"]
-    refit = one_step(classifier(), user_dataset(), history, private_diagnostics=False)  # on, then off: withheld
-    later = guarantee_of({HISTORY_KEY: history.state_dict(), CHECKPOINT_KEY: refit.state_dict()})
-    assert "largest_user_rows" not in json.dumps(later) and "withheld" in later["privacy_unit"]
+        assert "the largest user's row count is not stated: not recorded" in card["privacy_unit"]
+    refit = one_step(classifier(), user_dataset(), history, private_diagnostics=False)  # on, then off: not recorded
+    later = guarantee_of(
+        {HISTORY_KEY: history.state_dict(), CHECKPOINT_KEY: refit.state_dict()}, publish_private_diagnostics=True
+    )
+    assert "largest_user_rows" not in json.dumps(later) and "not recorded" in later["privacy_unit"]
 
 
 def test_micro_batches_hold_whole_users() -> None:
@@ -188,11 +193,21 @@ def test_a_user_level_run_accounts_users_and_its_card_says_so(tmp_path: Path) ->
     card = (tmp_path / "out" / "README.md").read_text()
     assert "with respect to one user (all of that user's training rows; at most 4" in card
     assert f"of the {users} training users" in card
+    assert card.splitlines()[0].endswith("per user (add/remove one user)")
     largest = max(Counter(cli.datamodule.dataset("train").users).values())
-    assert f"the largest user has {largest} rows, a count computed from the private data without noise" in card
     guarantee = (tmp_path / "out" / GUARANTEE_FILE).read_text()
     assert f'"users": {users}' in guarantee and '"max_rows_per_user": 4' in guarantee
-    assert f'"largest_user_rows": {largest}' in guarantee
+    assert "largest_user_rows" not in guarantee + card and "the largest user's row count is withheld" in card
+    asked = run_dplit_in_process(
+        "export", "--ckpt_path", str(checkpoint_of(tmp_path)), "--output_dir", str(tmp_path / "asked"),
+        "--publish_private_diagnostics",
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    card = (tmp_path / "asked" / "README.md").read_text()
+    assert f"the largest user has {largest} rows, a count computed from the private data without noise" in card
+    assert f"| rows of the largest user (computed without noise: not covered by ε) | {largest} |" in card
+    guarantee = (tmp_path / "asked" / GUARANTEE_FILE).read_text()
+    assert f'"largest_user_rows": {largest}' in guarantee and '"private_diagnostics_published"' in guarantee
 
 
 @pytest.mark.slow

@@ -323,7 +323,7 @@ def test_the_dplit_export_executable_writes_the_folder_and_prints_the_guarantee(
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=user_environment(), check=False)
     assert result.returncode == 0, result.stderr
-    assert "-DP, see README.md" in result.stdout + result.stderr
+    assert "-DP per training example, see README.md" in result.stdout + result.stderr
     assert {"config.json", "model.safetensors", "generation_config.json", "README.md", GUARANTEE_FILE} <= {
         path.name for path in (tmp_path / "out").iterdir()
     }

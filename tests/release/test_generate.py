@@ -299,3 +299,11 @@ def test_ctrl_c_while_exporting_is_one_line_and_leaves_no_folder(
     assert lines[-1] == f"dplit: interrupted: nothing was exported (--output_dir {out} is as it was)"
     assert [line for line in lines if "interrupted" in line] == lines[-1:]
     assert not out.exists() and not list(tmp_path.glob(".out*"))  # no folder, not even the half-written staging one
+
+
+def test_the_guarantee_line_names_the_unit() -> None:
+    """A user-level model's samples are DP per user, not per training example (issue 49 §4)."""
+    guarantee = {"differentially_private": True, "epsilon": 1.5, "delta": 1e-5}
+    assert "private per user, as the model is" in privacy_line({**guarantee, "protected_unit": "user"}, 4)
+    assert "private per user," in privacy_line({**guarantee, "users": 50}, 4)  # a dp_guarantee.json from before
+    assert "private per training example," in privacy_line({**guarantee, "protected_unit": "example"}, 4)

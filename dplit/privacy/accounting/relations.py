@@ -18,12 +18,13 @@ from contextlib import contextmanager
 from typing import Literal, get_args
 
 import dp_accounting
-from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.pld import pld_privacy_accountant, privacy_loss_distribution
 
 from dplit.numbers import is_finite_number
 
 Relation = Literal["add_remove", "replace_one"]
 Segment = tuple[float, float, int]  # (σ, q, steps), as dplit.privacy.accounting.History keeps them
+RelatedSegment = tuple[Relation, float, float, int]  # (relation, σ, q, steps): a segment under its own relation
 
 VALUE_DISCRETIZATION_INTERVAL = 1e-3
 """The PLD's privacy-loss grid step. dp-accounting's own Gaussian calibration (``pld/accountant.py``) and its basic
@@ -82,6 +83,65 @@ def epsilon_under(
         return float(accountant.get_epsilon(delta))
 
 
+def epsilon_composed(
+    segments: Sequence[RelatedSegment],
+    *,
+    delta: float,
+    value_discretization_interval: float = VALUE_DISCRETIZATION_INTERVAL,
+) -> float:
+    """ε at δ of DP-SGD segments run in turn, each under its own neighbouring relation, by dp-accounting's PLD.
+
+    What an example-level guarantee needs when some segments trained over users: seen from one row of a
+    multi-row user, a user-level segment is a replace-one mechanism (adding or removing that row can move the
+    user's clipped sum from one vector of norm ≤ C to another: by up to 2C), while an example-level segment is
+    add/remove. Each segment's privacy loss distribution is built with its own relation
+    (``from_gaussian_mechanism(σ, sampling_prob=q, neighboring_relation=...)``), self-composed over its steps, and
+    the segments' distributions compose. Every segment under one relation gives :func:`epsilon_under`'s ε.
+
+    Args:
+        segments: (relation, σ, q, steps) in the order they ran; relation ``"add_remove"`` or ``"replace_one"``,
+            σ ≥ 0 (σ = 0 is no noise: ε = ∞), q in (0, 1], steps ≥ 1. Empty: nothing spent, ε = 0.
+        delta: the δ in (0, 1) at which ε is reported.
+        value_discretization_interval: the PLD grid step (see :data:`VALUE_DISCRETIZATION_INTERVAL`).
+
+    Returns:
+        The smallest ε (≥ 0) for which dp-accounting certifies (ε, δ)-DP, or ``math.inf``.
+
+    Raises:
+        ValueError: in one line, for an unknown relation or a σ, q, steps, δ or grid step out of range.
+    """
+    _check_delta(delta)
+    _check_interval(value_discretization_interval)
+    checked = [_checked_related(index, segment) for index, segment in enumerate(segments)]
+    if not checked:
+        return 0.0
+    if any(sigma == 0 for _, sigma, _, _ in checked):
+        return math.inf
+    composed = None
+    for relation, sigma, q, steps in checked:
+        one = privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, sampling_prob=q, neighboring_relation=relation,
+            value_discretization_interval=value_discretization_interval,
+        ).self_compose(steps)  # fmt: skip
+        composed = one if composed is None else composed.compose(one)
+    assert composed is not None
+    with _quiet_overflow():
+        return float(composed.get_epsilon_for_delta(delta))
+
+
+def _checked_related(
+    index: int, segment: RelatedSegment
+) -> tuple[dp_accounting.NeighboringRelation, float, float, int]:
+    """``segment`` as (dp-accounting relation, σ, q, steps), or a one-line ValueError naming the segment."""
+    try:
+        relation, sigma, q, steps = segment
+    except (TypeError, ValueError):
+        raise ValueError(f"segments[{index}] must be a (relation, sigma, q, steps) tuple, got {segment!r}") from None
+    if not isinstance(relation, str) or relation not in _RELATIONS:
+        raise ValueError(f"segments[{index}]: relation must be 'add_remove' or 'replace_one', got {relation!r}")
+    return _RELATIONS[relation], *_checked_segment(index, (sigma, q, steps), name="segments")
+
+
 def epsilons(history: Sequence[Segment], *, delta: float) -> dict[Relation, float]:
     """ε at δ under each relation, keyed ``"add_remove"`` and ``"replace_one"`` (see :func:`epsilon_under`)."""
     return {relation: epsilon_under(relation, history, delta=delta) for relation in get_args(Relation)}
@@ -115,18 +175,18 @@ def _check_interval(interval: float) -> None:
         raise ValueError(f"value_discretization_interval must be in (0, 0.1], got {interval!r}")
 
 
-def _checked_segment(index: int, segment: Segment) -> Segment:
+def _checked_segment(index: int, segment: Segment, *, name: str = "history") -> Segment:
     """``segment`` as (float σ, float q, int steps), or a one-line ValueError naming the segment and the value."""
     try:
         sigma, q, steps = segment
     except (TypeError, ValueError):
-        raise ValueError(f"history[{index}] must be a (sigma, q, steps) triple, got {segment!r}") from None
+        raise ValueError(f"{name}[{index}] must be a (sigma, q, steps) triple, got {segment!r}") from None
     if not is_finite_number(sigma, minimum=0):
-        raise ValueError(f"history[{index}]: noise multiplier sigma must be a finite number ≥ 0, got {sigma!r}")
+        raise ValueError(f"{name}[{index}]: noise multiplier sigma must be a finite number ≥ 0, got {sigma!r}")
     if not is_finite_number(q, above=0, maximum=1):
-        raise ValueError(f"history[{index}]: sample rate q must be in (0, 1], got {q!r}")
+        raise ValueError(f"{name}[{index}]: sample rate q must be in (0, 1], got {q!r}")
     if not (isinstance(steps, numbers.Integral) and not isinstance(steps, bool) and steps >= 1):
-        raise ValueError(f"history[{index}]: steps must be an integer ≥ 1, got {steps!r}")
+        raise ValueError(f"{name}[{index}]: steps must be an integer ≥ 1, got {steps!r}")
     return float(sigma), float(q), int(steps)
 
 

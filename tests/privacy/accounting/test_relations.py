@@ -17,7 +17,7 @@ from scipy.stats import norm
 from torch.utils.data import DataLoader, TensorDataset
 
 from dplit.privacy.accounting import PrivacyAccountant, calibrate_noise_multiplier, default_delta
-from dplit.privacy.accounting.relations import epsilon_under, epsilons
+from dplit.privacy.accounting.relations import epsilon_composed, epsilon_under, epsilons
 from dplit.privacy.sampling import poisson_loader
 
 # --- the shipped configs (issue 31 §4) ----------------------------------------------------------------------------
@@ -145,6 +145,51 @@ def test_a_long_history_is_fast() -> None:
     started = time.perf_counter()
     epsilons([(0.7, 0.004, 1000), (0.55, 0.0148, 2000)], delta=1e-6)
     assert time.perf_counter() - started < 5.0  # measured ≈ 0.3 s for both relations on 2 cores
+
+
+# --- segments each under its own relation (issue 49 §3) ---------------------------------------------------------
+
+_MIXED = [(1.0, 0.1, 20), (0.8, 0.05, 30), (1.5, 0.2, 10)]
+
+
+@pytest.mark.parametrize("relation", ["add_remove", "replace_one"])
+def test_one_relation_throughout_is_epsilon_under_that_relation(relation: str) -> None:
+    composed = epsilon_composed([(relation, *segment) for segment in _MIXED], delta=1e-5)  # type: ignore[misc]
+    assert composed == pytest.approx(epsilon_under(relation, _MIXED, delta=1e-5), abs=1e-9)  # type: ignore[arg-type]
+
+
+def test_mixed_relations_at_q1_are_one_gaussian_with_each_segments_sensitivity() -> None:
+    """At q = 1: μ² = Σ k_i (s_i / σ_i)², s = 1 (add/remove, C) or 2 (replace-one, 2C), in either order."""
+    segments = [("replace_one", 2.0, 1.0, 10), ("add_remove", 5.0, 1.0, 50), ("add_remove", 0.8, 1.0, 1)]
+    mu = math.sqrt(
+        sum(steps * ((2.0 if rel == "replace_one" else 1.0) / sigma) ** 2 for rel, sigma, _, steps in segments)
+    )
+    exact = _analytic_gaussian_epsilon(mu, 1e-5)
+    for order in (segments, segments[::-1]):
+        measured = epsilon_composed(order, delta=1e-5)  # type: ignore[arg-type]
+        assert exact - 1e-9 <= measured <= exact + _EXACT_TOLERANCE
+
+
+def test_a_replace_one_segment_lies_between_all_add_remove_and_all_replace_one() -> None:
+    """One user-level segment under an example-level claim costs more than add/remove, less than all replace-one."""
+    mixed = epsilon_composed([("replace_one", *_MIXED[0]), *[("add_remove", *s) for s in _MIXED[1:]]], delta=1e-5)  # type: ignore[misc]
+    bounds = epsilons(_MIXED, delta=1e-5)
+    assert bounds["add_remove"] + 0.05 < mixed < bounds["replace_one"] - 0.05
+
+
+def test_composed_edges_and_refusals() -> None:
+    assert epsilon_composed([], delta=1e-5) == 0.0
+    assert epsilon_composed([("add_remove", 1.0, 0.1, 3), ("replace_one", 0.0, 0.1, 1)], delta=1e-5) == math.inf
+    for segments, names in [
+        ([("substitution", 1.0, 0.1, 3)], "segments[0]: relation"),
+        ([("add_remove", 1.0, 0.1)], "segments[0] must be a (relation, sigma, q, steps)"),
+        ([("add_remove", 1.0, 0.1, 0)], "segments[0]: steps"),
+        ([("add_remove", 1.0, 0.1, 3), ("replace_one", 1.0, 1.5, 3)], "segments[1]: sample rate q"),
+        ([1.0], "segments[0] must be"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            epsilon_composed(segments, delta=1e-5)  # type: ignore[arg-type]
+        assert "\n" not in str(caught.value) and names in str(caught.value)
 
 
 # --- edges and refusals -----------------------------------------------------------------------------------------
