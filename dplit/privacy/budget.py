@@ -83,6 +83,7 @@ class PrivacyBudget:
         self.ledger.open(delta=delta, mechanism=settings.accountant, directory=directory)
         if resumed_from is not None and self.world.rank == 0:
             self._count_steps_after_checkpoint(resumed_from, log_dir, segment_facts())
+        history.abandon_open_segment()  # an earlier run's segment never finished explains nothing now
         change = history.verify(
             weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change
         )

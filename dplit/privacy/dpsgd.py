@@ -11,6 +11,7 @@ One logical batch is one DP step::
         optimizer.step()
         if stop:                                   # the next step would spend more than the target ε
             break
+    dpsgd.finish()                                 # ε, the ledger, and the weights' digest sealed in their history
 
 The object holds its parts, each with one job: the clipping engine (per-unit norms and clipped sums), the clip
 bound (:mod:`dplit.privacy.clip_bound`: fixed, quantile or automatic), the budget (:mod:`dplit.privacy.budget`:
@@ -241,8 +242,16 @@ class DPSGD:
             interrupted: the run was interrupted; with several processes no collective may run then, so the digest
                 is not sealed (the next boundary verifies against the last checkpoint's).
         """
-        if self._started:
-            self.history.close_dp_segment(None if interrupted and self.world.size > 1 else self._weights_digest())
+        if not self._started:
+            return
+        if interrupted and self.world.size > 1:  # no collective now: only weights every rank holds whole are hashed
+            try:
+                digest: str | None = content_digest(self._weights_state())
+            except ValueError:  # sharded: the next boundary verifies against the last seal
+                digest = None
+        else:
+            digest = self._weights_digest()
+        self.history.close_dp_segment(digest)
 
     # --- hooks -----------------------------------------------------------------------------------------------------
 

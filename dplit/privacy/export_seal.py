@@ -33,6 +33,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 """Files that can hold weights (transformers, peft, PyTorch, GGUF, TensorFlow, Flax)."""
 CARD_MARKS = ("# Differentially private ", "# NOT differentially private ")
 """How the first line of a dplit model card begins."""
+CONFIG_FILE = "config.json"
+"""The model config, which carries :data:`METADATA_KEY` too: transformers keeps an unknown config entry through
+``from_pretrained`` and ``save_pretrained``, so weights re-saved into another folder still say where they came from."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ def seal_export(folder: Path, guarantee: dict[str, Any]) -> dict[str, Any]:
         ValueError: for a weight file that is not safetensors (dplit writes no other kind).
     """
     digest = guarantee_digest(guarantee)
+    _mark_config(folder / CONFIG_FILE, digest)
     files = {}
     for path in weight_files(folder):
         if path.suffix != ".safetensors":
@@ -73,6 +77,7 @@ def check_export(folder: Path) -> ExportCheck:
     guarantee_path, files = folder / GUARANTEE_FILE, weight_files(folder)
     if not guarantee_path.is_file():
         marked = next((path.name for path in files if METADATA_KEY in _metadata(path)), None)
+        marked = marked or (CONFIG_FILE if METADATA_KEY in _json(folder / CONFIG_FILE) else None)
         if marked is not None:
             return _broken(f"{marked} belongs to a dplit export, but its {GUARANTEE_FILE} is missing")
         if _is_dplit_card(folder / "README.md"):
@@ -133,6 +138,28 @@ def _metadata(path: Path) -> dict[str, str]:
             return dict(file.metadata() or {})
     except Exception:  # a damaged file carries no metadata dplit can read  # noqa: BLE001
         return {}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _mark_config(path: Path, digest: str) -> None:
+    """Write the guarantee's digest into the model config (when the export has one: an adapter folder has not)."""
+    config = _json(path)
+    if config:
+        path.write_text(json.dumps({**config, METADATA_KEY: digest}, indent=2, sort_keys=True) + "\n")
+
+
+def sealed_weight_files(folder: Path) -> list[str]:
+    """The weight files the guarantee in ``folder`` lists in its seal (none without a readable one)."""
+    seal = _json(folder / GUARANTEE_FILE).get(SEAL_KEY)
+    files = seal.get("weight_files") if isinstance(seal, dict) else None
+    return sorted(files) if isinstance(files, dict) else []
 
 
 def _is_dplit_card(path: Path) -> bool:

@@ -63,7 +63,9 @@ class PrivacyHistory:
         self._dp_step_pending = False
         self._origin: dict[str, Any] | None = None
         self._digest: str | None = None
+        self._derived: tuple[str, ...] = ()  # digests of weights derived from the sealed ones (an EMA in a checkpoint)
         self._explained = False  # whether recorded steps since the last seal explain a change of the weights
+        self._sealed_at = 0  # how many segments the history had at the last seal
 
     # --- what the history says ----------------------------------------------------------------------------------
 
@@ -76,6 +78,11 @@ class PrivacyHistory:
     def origin(self) -> dict[str, Any] | None:
         """The public starting point of the weights: ``{"description", "digest"}`` (``None``: not recorded)."""
         return copy.deepcopy(self._origin)
+
+    @property
+    def in_dp_segment(self) -> bool:
+        """Whether a DP segment is open (a DP-SGD fit is running on the weights)."""
+        return self._open is not None
 
     @property
     def digest(self) -> str | None:
@@ -192,9 +199,16 @@ class PrivacyHistory:
         self._origin = {"description": description, "digest": digest}
         self.seal(digest)
 
-    def seal(self, digest: str) -> None:
-        """Record that the weights now have ``digest`` and that the history so far explains them."""
-        self._digest, self._explained = digest, False
+    def seal(self, digest: str, *, derived: tuple[str, ...] = ()) -> None:
+        """Record that the weights now have ``digest`` and that the history so far explains them.
+
+        Args:
+            digest: the weights' content digest.
+            derived: digests of weights computed from them during a DP fit (e.g. an average of its iterates a
+                callback put in a checkpoint), which the history explains too.
+        """
+        self._digest, self._derived, self._explained = digest, tuple(derived), False
+        self._sealed_at = len(self._segments)
 
     def verify(self, digest: str, *, where: str, public_change: str | None = None) -> str | None:
         """Compare the weights' digest now with the last seal; a change no recorded step explains becomes a segment.
@@ -211,7 +225,10 @@ class PrivacyHistory:
         Returns:
             The line to say when an unexplained change was found, else ``None``.
         """
-        explained = self._open is not None or self._explained or digest == self._digest
+        if public_change and self._public_steps_since_seal(public_change, where):
+            self.seal(digest)
+            return f"the optimizer steps taken outside DP-SGD since the last boundary are recorded as public: {public_change!r}"
+        explained = self._open is not None or self._explained or digest in (self._digest, *self._derived)
         if explained or (self._digest is None and self._origin is None and not self._segments):
             if self._origin is None and not self._segments:
                 self._origin = {"description": NOT_RECORDED_ORIGIN, "digest": digest}
@@ -229,27 +246,49 @@ class PrivacyHistory:
             "so with DPStrategy.public_change='<what was done>' (the card quotes it)"
         )
 
+    def _public_steps_since_seal(self, statement: str, where: str) -> bool:
+        """Turn the non-private optimizer steps recorded since the last seal into one stated public change."""
+        recent = self._segments[self._sealed_at :]
+        if not recent or any(s["kind"] != "non_private" or s["reason"] != NON_PRIVATE_STEP for s in recent):
+            return False
+        steps = sum(segment_steps(segment) for segment in recent)
+        del self._segments[self._sealed_at :]
+        self._segments.append({"kind": "public_change", "statement": statement, "where": where, "steps": steps})
+        return True
+
     def weights_loaded(self) -> None:
         """Called after weights are loaded into the model: they must match the last seal (see :meth:`verify`).
 
         While a DP segment runs, the loaded weights replace what its steps made, so the load is not private.
         """
-        if self._open is not None and any(segment is self._open for segment in self._segments):
+        if self._open is not None:
             self._segments.append({"kind": "non_private", "steps": 0, "reason": LOADED_DURING_FIT})
         self._explained = False
 
+    def abandon_open_segment(self) -> None:
+        """Forget a DP segment an earlier run left open (never finished): what changed since the seal must match it."""
+        if self._open is not None:
+            self._open, self._dp_step_pending, self._explained = None, False, False
+
     def close_dp_segment(self, digest: str | None) -> None:
-        """End the open DP segment (a fit's end, or its interruption) and seal ``digest`` when it is known."""
+        """End the open DP segment (a fit's end, or its interruption) and seal ``digest`` when it is known.
+
+        Without a digest (an interrupted run of several processes) nothing since the last seal is explained: the
+        next boundary's digest must match it (a resume reloads the checkpoint's weights and history anyway).
+        """
         self._open = None
         self._dp_step_pending = False
         if digest is not None:
             self.seal(digest)
+        else:
+            self._explained = False
 
     # --- persistence ----------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The history as plain lists and dicts (``torch.load(weights_only=True)`` and JSON both read it)."""
-        return {"version": 2, "segments": self.segments, "origin": self.origin, "digest": self._digest}
+        state = {"version": 2, "segments": self.segments, "origin": self.origin, "digest": self._digest}
+        return {**state, "derived_digests": list(self._derived)} if self._derived else state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the history by a saved one (the open segment, if any, starts afresh)."""
@@ -258,6 +297,8 @@ class PrivacyHistory:
         self._dp_step_pending = False
         self._origin = copy.deepcopy(state.get("origin"))
         self._digest, self._explained = state.get("digest"), False
+        self._derived = tuple(state.get("derived_digests", ()))
+        self._sealed_at = len(self._segments)
 
     def extend(self, segments: Iterable[Segment]) -> None:
         """Append segments (e.g. steps an earlier model took before these weights were built from it)."""

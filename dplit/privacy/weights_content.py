@@ -77,28 +77,55 @@ def _gathered(name: str, rows: list[bytes], gather: Gather | None) -> list[bytes
 
 
 def _local_row_digests(tensor: Tensor) -> list[bytes]:
-    canonical = _canonical(tensor.cpu())
-    tag = str(canonical.dtype).encode()
-    count = canonical.shape[0] if canonical.dim() else 1  # a rank's shard may hold no row
-    rows = canonical.reshape(count, canonical.numel() // count if count else 0)  # [rows, entries per row]
-    data = rows.contiguous().view(torch.uint8).numpy()  # [rows, bytes per row]
-    return [_sha256(tag, data[index]) for index in range(rows.shape[0])]
+    """The SHA-256 of each dim-0 row, each in its own canonical dtype (so a shard's rows hash as the whole's do)."""
+    tensor = tensor.cpu()
+    count = tensor.shape[0] if tensor.dim() else 1  # a rank's shard may hold no row
+    rows = tensor.reshape(count, tensor.numel() // count if count else 0)  # [rows, entries per row]
+    forms = _canonical_forms(rows)  # [(tag, bytes per row [rows, width·size], which rows)]
+    digests: list[bytes] = [b""] * count
+    for tag, data, chosen in forms:
+        for index in chosen:
+            digests[index] = _sha256(tag, data[index])
+    return digests
+
+
+def _canonical_forms(rows: Tensor) -> list[tuple[bytes, Any, list[int]]]:
+    """Each row in the narrowest of bfloat16, float32, float64 that holds its values exactly (non-floating: as is).
+
+    Returns:
+        ``(dtype tag, the rows' bytes in that dtype, the rows that take it)`` for each dtype used.
+    """
+    if not rows.is_floating_point():
+        return [(str(rows.dtype).encode(), _bytes(rows), list(range(rows.shape[0])))]
+    forms, left = [], torch.ones(rows.shape[0], dtype=torch.bool)
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        narrow = rows.to(dtype)
+        if _holds_every(dtype, rows.dtype):
+            exact = left
+        else:
+            back = narrow.to(rows.dtype)
+            exact = left & ((back == rows) | (back.isnan() & rows.isnan())).all(dim=1)  # [rows]: round trips exactly
+        chosen = exact.nonzero().flatten().tolist()
+        if chosen:
+            narrow = torch.where(narrow.isnan(), torch.tensor(float("nan"), dtype=dtype), narrow)  # one NaN pattern
+            forms.append((str(dtype).encode(), _bytes(narrow), chosen))
+        left = left & ~exact
+        if not left.any():
+            break
+    return forms
+
+
+def _holds_every(wide: torch.dtype, source: torch.dtype) -> bool:
+    """Whether every value of ``source`` is a value of ``wide`` (bfloat16 and float16 in float32; all in float64)."""
+    return wide == source or wide == torch.float64 or (wide == torch.float32 and source.itemsize <= 4)
+
+
+def _bytes(rows: Tensor) -> Any:
+    """The rows' bytes as a numpy array [rows, bytes per row] (hashlib reads each row's buffer)."""
+    return rows.contiguous().view(torch.uint8).numpy()
 
 
 def _sha256(tag: bytes, row: Any) -> bytes:
     digest = hashlib.sha256(tag)
     digest.update(row)
     return digest.digest()
-
-
-def _canonical(tensor: Tensor) -> Tensor:
-    """``tensor`` in the narrowest of bfloat16, float32, float64 that holds its values exactly (non-floating: as is)."""
-    if not tensor.is_floating_point():
-        return tensor
-    narrow = tensor.bfloat16()
-    if torch.equal(narrow.to(tensor.dtype), tensor):
-        return narrow
-    single = tensor.float()
-    if tensor.dtype == torch.float64 and not torch.equal(single.double(), tensor):
-        return tensor
-    return single

@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
@@ -41,6 +42,7 @@ from dplit.backbone.quantization import (
 )
 from dplit.backbone.sharding import shard_task
 from dplit.numbers import is_finite_number, require_finite_number
+from dplit.privacy.export_seal import sealed_weight_files
 from dplit.privacy.history import (
     GUARANTEE_FILE,
     HISTORY_KEY,
@@ -49,6 +51,7 @@ from dplit.privacy.history import (
     inherited_history,
 )
 from dplit.privacy.integrity import record_digest, record_weights_digest
+from dplit.privacy.optimizer_watch import watch_optimizer_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.weights_content import Gather, content_digest
 from dplit.release.provenance import RELEASE_KEY, release_record
@@ -147,8 +150,8 @@ class CausalLMModule(LightningModule, ABC):
         require_finite_number(checkpointed_share, name="model.checkpointed_share", above=0, maximum=1)
         self._freeze = list(freeze or [])
         self.privacy_history = PrivacyHistory()
-        self.register_load_state_dict_post_hook(lambda *_: self.privacy_history.weights_loaded())
-        self._step_hooks: list[Any] = []
+        self.register_load_state_dict_post_hook(lambda module, _: module.privacy_history.weights_loaded())
+        watch_optimizer_steps(self)
         self.embeddings = embeddings if embeddings is not None else UntiedEmbeddings()
         if quantization is not None:
             check_quantization_source(pretrained=pretrained, gguf_file=gguf_file, peft=peft)
@@ -182,6 +185,8 @@ class CausalLMModule(LightningModule, ABC):
             inherited, inherited_from = inherited_history(pretrained)
         else:  # a hub model: its downloaded files, with the repository's dp_guarantee.json when it has one
             snapshot = downloaded_folder(pretrained, fetch=(GUARANTEE_FILE, "README.md"))
+            if snapshot is not None:  # every weight file the guarantee seals (a classifier's head too)
+                downloaded_folder(pretrained, fetch=tuple(sealed_weight_files(snapshot)))
             inherited, inherited_from = inherited_history(snapshot, name=f"hub model {pretrained}")
         self.privacy_history.extend(inherited)
         return inherited_from or starting_point(pretrained=pretrained, gguf_file=gguf_file)
@@ -267,13 +272,8 @@ class CausalLMModule(LightningModule, ABC):
 
     @override
     def on_train_start(self) -> None:
-        """Watch every optimizer: a step no DP step announced marks the weights non-private for good."""
-        for handle in self._step_hooks:
-            handle.remove()
-        self._step_hooks = [
-            optimizer.register_step_post_hook(lambda *_: self.privacy_history.optimizer_stepped())
-            for optimizer in self.trainer.optimizers
-        ]
+        """Watch every optimizer step on these weights (a copied module too): one no DP step announced is not private."""
+        watch_optimizer_steps(self)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -307,9 +307,9 @@ class CausalLMModule(LightningModule, ABC):
         checkpoint[RELEASE_KEY] = release_record(self, datamodule)
         drop_quantized_weights(self, checkpoint["state_dict"])  # the frozen base's: model.pretrained holds them
         if checkpoint["state_dict"]:  # (empty on the ranks a sharded checkpoint is not gathered on)
-            digest = content_digest(checkpoint["state_dict"])
-            self._seal_weights(digest)
-            record_weights_digest(checkpoint, digest)
+            saved = content_digest(checkpoint["state_dict"])
+            self._seal_weights(self._own_digest(checkpoint["state_dict"], saved), saved)
+            record_weights_digest(checkpoint, saved)
         checkpoint[HISTORY_KEY] = self.privacy_history.state_dict()
         checkpoint[BACKBONE_KEY] = backbone_config(self.backbone)
         tokenizer = getattr(datamodule, "tokenizer", None)
@@ -317,11 +317,35 @@ class CausalLMModule(LightningModule, ABC):
             checkpoint[TOKENIZER_KEY] = tokenizer_files(tokenizer)
         record_digest(checkpoint, HISTORY_KEY)
 
-    def _seal_weights(self, digest: str) -> None:
-        """Seal the weights being saved in their history (a change no recorded step explains is recorded first)."""
+    def _own_digest(self, saved_state: dict[str, Any], saved: str) -> str:
+        """The digest of the module's own weights: ``saved`` when the checkpoint holds them, not derived ones.
+
+        A callback may save weights derived from the DP iterates instead (Lightning's ``EMAWeightAveraging`` saves
+        their average); the module's own weights are what the next fit starts from. Sharded weights are taken as
+        saved (hashing the shards would need a collective here).
+        """
+        own = self.weights_state()
+        same = saved_state.keys() == own.keys() and all(
+            not isinstance(value, Tensor) or value.data_ptr() == own[name].data_ptr()
+            for name, value in saved_state.items()
+        )
+        if same or any(isinstance(value, DTensor) for value in own.values()):
+            return saved
+        return content_digest(own)
+
+    def _seal_weights(self, digest: str, saved: str) -> None:
+        """Seal the module's weights in their history (a change no recorded step explains is recorded first).
+
+        Args:
+            digest: the module's own weights' digest.
+            saved: the digest of the weights the checkpoint holds (derived ones, inside a DP fit, are sealed too).
+        """
+        in_fit = self.privacy_history.in_dp_segment
         line = self.privacy_history.verify(digest, where="found when a checkpoint was saved")
         if line is not None:
             warnings.warn(f"dplit: {line}", PrivacyWarning, stacklevel=2)
+        if saved != digest and in_fit:
+            self.privacy_history.seal(digest, derived=(saved,))
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:

@@ -12,7 +12,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dplit.privacy.export_seal import GUARANTEE_FILE, METADATA_KEY, check_export, guarantee_digest, seal_export
+from dplit.privacy.export_seal import (
+    GUARANTEE_FILE,
+    METADATA_KEY,
+    check_export,
+    guarantee_digest,
+    seal_export,
+    sealed_weight_files,
+)
 from dplit.privacy.history import PrivacyHistory, inherited_history
 
 GUARANTEE: dict[str, Any] = {
@@ -29,7 +36,7 @@ def sealed_export(folder: Path, *, files: tuple[str, ...] = ("model.safetensors"
     folder.mkdir()
     for index, name in enumerate(files):
         save_file({"weight": torch.full((3, 2), float(index))}, str(folder / name), metadata={"format": "pt"})
-    (folder / "config.json").write_text("{}")
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')
     (folder / "README.md").write_text("# Differentially private causal LM: (ε = 1.5, δ = 1e-05)\n")
     guarantee = seal_export(folder, GUARANTEE)
     (folder / GUARANTEE_FILE).write_text(json.dumps(guarantee, indent=1))
@@ -49,7 +56,17 @@ def test_an_intact_export_is_sealed_both_ways(tmp_path: Path) -> None:
         assert torch.equal(file.get_tensor("weight"), torch.full((3, 2), 1.0))  # the tensors are unchanged
     segments, origin = inherited_history(str(folder))
     assert PrivacyHistory(segments).accountant_history() == [(1.0, 0.1, 8)]
+    assert json.loads((folder / "config.json").read_text())[METADATA_KEY] == digest
+    assert sealed_weight_files(folder) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert origin == "dplit export export (seal intact; its history starts from hub model gpt2)"
+
+
+def _resaved_elsewhere(folder: Path) -> None:
+    """``from_pretrained(export).save_pretrained(elsewhere)``: the config (with its mark) and fresh weights, alone."""
+    for path in folder.iterdir():
+        if path.name != "config.json":
+            path.unlink()
+    save_file({"weight": torch.full((3, 2), 0.0)}, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _drop_guarantee(folder: Path) -> None:
@@ -93,9 +110,11 @@ def _bin_beside(folder: Path) -> None:
 def _card_only(folder: Path) -> None:
     _drop_guarantee(folder)
     _resave_weights(folder)
+    (folder / "config.json").write_text('{"model_type": "gpt2"}')  # a config written anew
 
 
 ROUTES = {
+    "re-saved elsewhere": (_resaved_elsewhere, "config.json belongs to a dplit export, but its dp_guarantee.json is missing"),
     "guarantee not copied": (
         _drop_guarantee,
         "model.safetensors belongs to a dplit export, but its dp_guarantee.json is missing",
@@ -136,7 +155,8 @@ def test_a_folder_without_any_trace_of_dplit_is_a_plain_base(tmp_path: Path) -> 
     folder = sealed_export(tmp_path / "export")
     plain = tmp_path / "plain"
     plain.mkdir()
-    shutil.copy(folder / "config.json", plain)
+    assert METADATA_KEY in json.loads((folder / "config.json").read_text())
+    (plain / "config.json").write_text('{"model_type": "gpt2"}')
     save_file({"weight": torch.zeros(3, 2)}, str(plain / "model.safetensors"), metadata={"format": "pt"})
     (plain / "README.md").write_text("# gpt2\n")
     assert check_export(plain).kind == "plain" and inherited_history(str(plain)) == ([], None)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
 from dplit.privacy.accounting.relations import epsilon_under
+from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.history import (
     HISTORY_KEY,
     NON_PRIVATE_STEP,
@@ -23,6 +24,7 @@ from dplit.privacy.history import (
     inherited_history,
 )
 from dplit.privacy.ledger import CHECKPOINT_KEY, LEDGER_FILE
+from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.card import model_card
 from dplit.release.export import export_checkpoint
@@ -162,6 +164,10 @@ def test_an_export_carries_the_history_into_a_model_built_from_it(tmp_path: Path
     export_checkpoint(first, tmp_path / "export")
     segments, origin = inherited_history(str(tmp_path / "export"))
     assert segments[0]["accountant"] == [[1.0, 0.1, 3]] and origin is not None and "seal intact" in origin
+    elsewhere = tmp_path / "deployed"  # loaded and saved by plain transformers into a new folder
+    AutoModelForCausalLM.from_pretrained(tmp_path / "export").save_pretrained(elsewhere)
+    segments, origin = inherited_history(str(elsewhere))
+    assert PrivacyHistory(segments).reason_not_private() is not None and "unknown history" in str(origin)
     edited = _trained_further_by_plain_transformers(tmp_path / "export", tmp_path / "edited")
     from_edited = ["--model.config", "null", "--model.pretrained", str(edited)]
     cli = run_cli(["fit", *quickstart_args(tmp_path / "from-edited", *steps(1), *sigma, *from_edited)])
@@ -265,15 +271,25 @@ def _edit_through_data(model: Any) -> None:
     next(p for p in model.parameters() if p.requires_grad).data.add_(1e-3)
 
 
-@pytest.mark.parametrize("change", [_train_without_dplit, _edit_through_data], ids=["plain loop", "data edit"])
-def test_a_change_made_outside_dplit_makes_the_next_dp_fit_not_private(tmp_path: Path, change: Any) -> None:
+CHANGES = {
+    "plain loop": (_train_without_dplit, NON_PRIVATE_STEP, "NOT differentially private, whatever this run does: 3 of"),
+    "data edit": (
+        _edit_through_data, "changed outside any step dplit recorded (found before a DP-SGD fit)",
+        "NOT differentially private: they changed outside any step dplit recorded",
+    ),
+}  # fmt: skip
+"""A plain loop's optimizer steps are seen as they happen; an edit that is no step is found by the digest."""
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_made_outside_dplit_makes_the_next_dp_fit_not_private(tmp_path: Path, change: str) -> None:
+    make_change, reason, said = CHANGES[change]
     model = make_model()
-    change(model)
-    with pytest.warns(PrivacyWarning, match="NOT differentially private: they changed outside any step dplit recorded"):
+    make_change(model)
+    with pytest.warns(PrivacyWarning, match=said):
         trainer, _ = fit(tmp_path, model, max_steps=1, noise_multiplier=1.0, seed=None)
     guarantee = guarantee_after(trainer, tmp_path)
-    assert guarantee["differentially_private"] is False
-    assert "changed outside any step dplit recorded (found before a DP-SGD fit)" in guarantee["reason"]
+    assert guarantee["differentially_private"] is False and reason in guarantee["reason"]
     assert model.privacy_history.dp_steps == 1  # the DP step still counts
 
 
@@ -281,7 +297,7 @@ def test_weights_changed_after_a_dp_fit_are_caught_when_the_checkpoint_is_saved(
     model = make_model()
     trainer, _ = fit(tmp_path, model, max_steps=2, noise_multiplier=1.0, seed=None)
     assert guarantee_after(trainer, tmp_path / "0")["differentially_private"] is True
-    _train_without_dplit(model)
+    _edit_through_data(model)
     with pytest.warns(PrivacyWarning, match="found when a checkpoint was saved"):
         guarantee = guarantee_after(trainer, tmp_path)
     assert guarantee["differentially_private"] is False and guarantee["steps"] == 2
@@ -314,18 +330,62 @@ def test_a_dp_checkpoint_keeps_its_history_through_load_from_checkpoint_but_not_
     assert guarantee["differentially_private"] is False and guarantee["steps"] == 1
 
 
-def test_weights_loaded_while_a_dp_fit_runs_are_not_private(tmp_path: Path) -> None:
-    other = make_model().state_dict()
+@pytest.mark.parametrize("hook", ["on_train_batch_start", "on_train_batch_end"], ids=["before the first step", "mid-fit"])
+def test_weights_loaded_while_a_dp_fit_runs_are_not_private(tmp_path: Path, hook: str) -> None:
+    other = make_model()
+    _train_without_dplit(other)
 
-    class LoadMidFit(L.Callback):
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
-            if trainer.global_step == 1:
-                pl_module.load_state_dict(other)
+    class LoadInFit(L.Callback):
+        pass
 
-    model = make_model()
-    trainer, _ = fit(tmp_path, model, max_steps=2, noise_multiplier=1.0, seed=None, callbacks=[LoadMidFit()])
+    setattr(LoadInFit, hook, lambda self, trainer, module, *args: module.load_state_dict(other.state_dict()))
+    trainer, _ = fit(tmp_path, make_model(), max_steps=2, noise_multiplier=1.0, seed=None, callbacks=[LoadInFit()])
     guarantee = guarantee_after(trainer, tmp_path)
     assert guarantee["differentially_private"] is False and "while a DP-SGD fit was running" in guarantee["reason"]
+
+
+def test_an_optimizer_of_a_callback_stepping_on_the_weights_inside_a_dp_fit_is_not_private(tmp_path: Path) -> None:
+    class OwnOptimizer(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, *args: Any) -> None:
+            optimizer = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.1)
+            module.zero_grad()
+            module.per_example_loss(batch).sum().backward()
+            optimizer.step()  # no clipping, no noise
+
+    trainer, _ = fit(tmp_path, make_model(), max_steps=2, noise_multiplier=1.0, seed=None, callbacks=[OwnOptimizer()])
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False and NON_PRIVATE_STEP in guarantee["reason"]
+
+
+def test_a_dp_segment_left_open_explains_nothing_that_comes_after_it(tmp_path: Path) -> None:
+    """DPSGD without ``finish()`` (the segment stays open), a plain loop, then a DP fit: the loop is found."""
+    model = make_model()
+    settings = DPSGDSettings(max_grad_norm=0.1, noise_multiplier=1.0, self_check=False)
+    dpsgd = DPSGD(model, settings, history=model.privacy_history, weights_state=model.weights_state)
+    loader = dpsgd.sample(RandomTokenData().train_dataloader())
+    dpsgd.start(planned_steps=1)
+    dpsgd.clip(model.per_example_loss, next(iter(loader)))
+    dpsgd.release()
+    plain_edit = next(p for p in model.parameters() if p.requires_grad)
+    with torch.no_grad():
+        plain_edit.add_(1.0)  # not an optimizer step: only the digest can see it
+    trainer, _ = fit(tmp_path, model, max_steps=1, noise_multiplier=1.0, seed=None)
+    guarantee = guarantee_after(trainer, tmp_path)
+    assert guarantee["differentially_private"] is False and "found before a DP-SGD fit" in guarantee["reason"]
+
+
+def test_an_ema_of_the_dp_iterates_in_the_checkpoint_resumes_and_exports_as_dp(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    fit(tmp_path / "a", make_model(), max_steps=2, noise_multiplier=1.0, seed=None, callbacks=[EMAWeightAveraging()])
+    first = _last_checkpoint(tmp_path / "a")
+    assert guarantee_of(torch.load(first, map_location="cpu", weights_only=False))["differentially_private"] is True
+    trainer, _ = fit(
+        tmp_path / "b", make_model(), max_steps=3, noise_multiplier=1.0, seed=None, ckpt_path=first,
+        callbacks=[EMAWeightAveraging()],
+    )  # fmt: skip
+    guarantee = guarantee_after(trainer, tmp_path / "b")
+    assert guarantee["differentially_private"] is True and guarantee["steps"] == 3
 
 
 def test_a_change_stated_public_is_recorded_verbatim_and_keeps_the_weights_private(tmp_path: Path) -> None:
@@ -338,6 +398,13 @@ def test_a_change_stated_public_is_recorded_verbatim_and_keeps_the_weights_priva
     kinds = [segment["kind"] for segment in guarantee["privacy_history"]["segments"]]
     assert kinds == ["public_change", "dp"]
     assert guarantee["privacy_history"]["segments"][0]["statement"] == statement
+    assert guarantee["privacy_history"]["segments"][0]["steps"] == 3  # the plain loop's optimizer steps
+    model, edited = make_model(), tmp_path / "edited"
+    _edit_through_data(model)  # no optimizer step: the digest finds it, the statement covers it
+    trainer, _ = fit(edited, model, max_steps=1, noise_multiplier=1.0, seed=None, public_change=statement)
+    guarantee = guarantee_after(trainer, edited)
+    assert guarantee["differentially_private"] is True and guarantee["public_changes"] == 1
+    assert statement.replace("|", "\\|") in model_card(guarantee, kind="classifier")  # verbatim, table-escaped
 
 
 def test_the_origin_names_the_public_starting_point_and_its_digest() -> None:

@@ -62,6 +62,7 @@ def test_the_weights_digest_of_sharded_weights_is_that_of_the_whole_weights(rank
     assert sharded == whole and ranks[1]["digests"] == (sharded, whole)
 
 
+@pytest.mark.slow
 def test_each_rank_holds_about_half_the_state_of_a_whole_replica(ranks: list[dict[str, Any]]) -> None:
     """Parameters, gradients (the clipped-sum buffer) and AdamW state, from the tensors' local sizes after a step."""
     whole = ranks[0]["state-bytes-whole"]

@@ -43,3 +43,13 @@ def test_rows_hash_alone_so_any_dim0_split_gives_the_same_row_digests() -> None:
     whole = _local_row_digests(tensor)
     for cut in range(tensor.shape[0] + 1):  # FSDP2 gives each rank a dim-0 chunk (possibly empty)
         assert _local_row_digests(tensor[:cut]) + _local_row_digests(tensor[cut:]) == whole
+
+
+def test_each_row_takes_its_own_canonical_dtype_so_shards_of_mixed_rows_hash_as_the_whole() -> None:
+    mixed = torch.randn(4, 6).bfloat16().float()  # every row exactly a bfloat16 row...
+    mixed[2] += 1e-3  # ...but one: the whole tensor is not bfloat16-exact, rows 0, 1, 3 are
+    whole = _local_row_digests(mixed)
+    assert _local_row_digests(mixed[:2]) + _local_row_digests(mixed[2:]) == whole  # rank 0's rows all bf16-exact
+    assert _local_row_digests(mixed[:2]) == _local_row_digests(mixed[:2].bfloat16())
+    nan = torch.tensor([[float("nan"), 1.0]], dtype=torch.float64)
+    assert _local_row_digests(nan) == _local_row_digests(nan.float())  # a NaN row: float32 holds it
