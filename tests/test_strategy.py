@@ -253,3 +253,31 @@ def test_private_diagnostics_off_logs_only_the_public_privacy_metrics(
     assert {"dp/grad_norm", "dp/clip_fraction", "perf/samples_per_sec", "memory/peak_mb"} <= set(
         loud.trainer.logged_metrics
     )
+
+
+def test_the_dp_strategies_take_exactly_the_dp_settings_with_their_defaults_and_types() -> None:
+    """One source for the knobs: DPSGDHooks' keyword arguments are DPSGDSettings' fields (flag_owner aside)."""
+    import dataclasses
+    import inspect
+
+    from dplit.privacy.settings import DPSGDSettings
+    from dplit.strategy_hooks import DPSGDHooks
+
+    fields = {field.name: field for field in dataclasses.fields(DPSGDSettings) if field.name != "flag_owner"}
+    parameters = {
+        name: parameter for name, parameter in inspect.signature(DPSGDHooks.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }  # fmt: skip
+    assert list(parameters) == list(fields)  # the same knobs, in the same order
+    for name, field in fields.items():
+        default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
+        assert parameters[name].default == default, name
+        assert str(parameters[name].annotation) == str(field.type), name
+
+
+def test_the_knobs_table_in_the_docs_is_the_one_the_settings_generate() -> None:
+    from dplit.privacy.settings import knobs_table
+    from tests.helpers.paths import REPOSITORY
+
+    page = (REPOSITORY / "docs" / "reference" / "dp-knobs.md").read_text()
+    assert knobs_table() in page, "regenerate it: python -m dplit.privacy.settings"

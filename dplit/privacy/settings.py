@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -24,8 +27,9 @@ class DPSGDSettings:
     """
 
     max_grad_norm: float
-    """C: every example's gradient is clipped to norm ≤ C, and the noise's standard deviation is σ·C (the initial
-    C_0 under ``clip_mode: quantile``; the update's scale under ``clip_mode: automatic``)."""
+    """C: every example's whole gradient (all trainable parameters, a tied weight counted once as the sum of its uses)
+    is clipped to norm ≤ C, and the noise's standard deviation is σ·C (the initial C_0 under ``clip_mode: quantile``;
+    the update's scale under ``clip_mode: automatic``)."""
 
     clip_mode: Literal["fixed", "quantile", "automatic"] = "fixed"
     """``"fixed"``: C = ``max_grad_norm``; ``"quantile"``: C follows a quantile of the norms, estimated privately
@@ -46,12 +50,13 @@ class DPSGDSettings:
     """Automatic mode: γ > 0 in C / (‖g‖ + γ) (default 0.01, as Bu et al.)."""
 
     noise_multiplier: float | None = None
-    """σ, the noise's standard deviation in units of C; give this or ``target_epsilon``, not both. 0 adds no noise
-    (not private: warns)."""
+    """σ: the noise added to the summed clipped gradients has std σ·C; give this **or** ``target_epsilon``. 0 adds no
+    noise (not private: warns)."""
 
     target_epsilon: float | None = None
     """Calibrate σ so that the weights' whole privacy history (earlier runs included) spends at most this ε over the
-    planned steps; training stops before a step that would spend more."""
+    planned steps (``trainer.max_epochs`` / ``max_steps``); training stops before a step that would spend more (also
+    when resumed for longer)."""
 
     target_delta: float | None = None
     """δ; default N^-1.1 for N training examples. δ ≥ 1/N is refused unless ``allow_large_delta``."""
@@ -60,36 +65,44 @@ class DPSGDSettings:
     """``"prv"`` (the tighter numerical accountant, default) or ``"rdp"`` (Rényi DP, an upper bound)."""
 
     clipping: Literal["ghost", "per_example"] = "ghost"
-    """``"ghost"``: per-example norms without per-example gradients, one backward; ``"per_example"``: materialised
-    per-example gradients (the exact reference, more memory)."""
+    """``"ghost"``: per-example norms from activations and output gradients, one backward; ``"per_example"``:
+    materialised per-example gradients with ``torch.func`` (the exact reference for any model, memory B × parameters;
+    needs ``model.attn_implementation: eager``)."""
 
     tied_norm: Literal["exact", "bound"] = "exact"
     """For a parameter used twice (tied embeddings), ghost only: ``"exact"`` (with the cross term) or ``"bound"``
     (‖G₁‖ + ‖G₂‖, over-clips)."""
 
     max_physical_batch_size: int = 32
-    """The largest micro-batch run through the model at once, per device (memory, not privacy)."""
+    """The largest micro-batch run through the model at once, per device: bounds memory, does not change the maths."""
 
     self_check: bool = True
     """Before the first DP step, compare the ghost engine's per-parameter norms of a few real examples with
-    autograd's and refuse, naming the parameter, on any disagreement."""
+    autograd's (one backward per example, model in train mode with every dropout disabled, under the trainer's
+    precision) and refuse the run, naming the parameter and the relative disagreement (never a norm: norms are
+    computed from private examples), on any disagreement or on a trainable parameter no covered layer used."""
 
     seed: int | None = None
-    """Unset (default): sampling and noise are seeded from the operating system's entropy, never stored. A seed
-    makes both PREDICTABLE from the config (warns; the ledger says so): for tests and debugging, never a release."""
+    """Unset (default): the Poisson sampler and the noise are seeded from the operating system's entropy
+    (``secrets``), independent of ``seed_everything``, never logged or checkpointed, the noise generator reseeded
+    every step and fresh after a resume. A seed makes both reproducible **and PREDICTABLE** from the config: it warns,
+    the ledger records ``"noise_secure": false``, and the weights are NOT differentially private for good (tests and
+    debugging, never a release)."""
 
     allow_large_delta: bool = False
     """Accept δ ≥ 1/N (a δ that large permits releasing whole examples); warns when used."""
 
     private_diagnostics: bool = True
-    """Log the diagnostics computed from private batches without noise (loss, gradient norms, clip fraction,
-    realised batch size, memory): none is covered by ε. ``False`` when logs leave the trust boundary."""
+    """Log the diagnostics computed from private batches without noise (``train/loss``, ``dp/*``, ``perf/*``,
+    ``memory/*``, the training split's longest prompt): none is covered by ε. ``False`` logs none of them (when logs
+    leave the trust boundary)."""
 
     public_change: str | None = None
     """Your statement that the weights' changes no recorded step explains (a training loop without DPStrategy,
     ``load_state_dict``, an edit) used no private data, e.g. ``"2 epochs on public Wikipedia text"``. Without it such
     a change makes the weights NOT differentially private for good; with it the change is recorded as public and
-    the model card quotes the statement verbatim. Used only when such a change is found before the fit."""
+    the model card quotes the statement verbatim. Used only when such a change is found before the fit; remove it
+    from the config once used."""
 
     flag_owner: str = FLAG_OWNER
     """The strategy whose flags the refusals name: ``DPStrategy``, or ``ShardedDPStrategy`` for the sharded one."""
@@ -158,3 +171,32 @@ def _require_choice(field: str, value: str, choices: tuple[str, ...], *, owner: 
     if value not in choices:
         names = " or ".join(repr(choice) for choice in choices)
         raise ValueError(f"{owner}.{field} must be {names}, got {value!r}")
+
+
+def knob_docs() -> dict[str, str]:
+    """Each knob's docstring (the string under its field in :class:`DPSGDSettings`), by name, ``flag_owner`` left out."""
+    tree = ast.parse(inspect.getsource(DPSGDSettings))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for field, after in zip(body, body[1:], strict=False):
+        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(after, ast.Expr):
+            docs[field.target.id] = inspect.cleandoc(str(after.value.value))  # type: ignore[attr-defined]
+    docs.pop("flag_owner", None)
+    return docs
+
+
+def knobs_table() -> str:
+    """The markdown table of every knob and its docstring (``docs/reference/dp-knobs.md`` holds it, generated)."""
+    cell = {name: _markdown(" ".join(doc.split())) for name, doc in knob_docs().items()}
+    rows = [f"| `{name}` | {text} |" for name, text in cell.items()]
+    return "\n".join(["| knob | meaning |", "|---|---|", *rows])
+
+
+def _markdown(text: str) -> str:
+    """A docstring's reStructuredText roles and literals as markdown, ``|`` escaped for a table cell."""
+    text = re.sub(r":(?:mod|class|func|meth|data):`~?([^`]+)`", r"`\1`", text)
+    return text.replace("``", "`").replace("|", r"\|")
+
+
+if __name__ == "__main__":  # python -m dplit.privacy.settings: the table docs/reference/dp-knobs.md shows
+    print(knobs_table())

@@ -14,7 +14,7 @@ from dplit.privacy.composition import dp_segments, mixed_epsilon, mixed_units, p
 from dplit.privacy.history import GUARANTEE_FILE as GUARANTEE_FILE  # re-exported: where release code finds it
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint
 from dplit.privacy.ledger import CHECKPOINT_KEY
-from dplit.release.provenance import RELEASE_KEY
+from dplit.tasks.provenance import RELEASE_KEY
 
 NEIGHBOURING_RELATION = (
     "add/remove one example (ε above); the card publishes N and q, which add/remove treats as secret, so ε under "

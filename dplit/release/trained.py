@@ -17,8 +17,8 @@ from dplit.backbone.quantization import add_quantized_weights
 from dplit.privacy.history import history_in_checkpoint
 from dplit.release.checkpoint import read_checkpoint
 from dplit.release.guarantee import guarantee_of, quantization_summary
-from dplit.release.provenance import RELEASE_KEY
 from dplit.tasks.base import BACKBONE_KEY, TOKENIZER_KEY, CausalLMModule
+from dplit.tasks.provenance import RELEASE_KEY
 
 MODULES = {
     "classifier": "dplit.tasks.classifier.CausalLMClassifier",

@@ -54,7 +54,7 @@ from dplit.privacy.integrity import record_digest, record_weights_digest
 from dplit.privacy.optimizer_watch import watch_optimizer_steps
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.privacy.weights_content import Gather, content_digest
-from dplit.release.provenance import RELEASE_KEY, release_record
+from dplit.tasks.provenance import RELEASE_KEY, release_record
 
 Batch = dict[str, Tensor]
 
