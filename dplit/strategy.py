@@ -14,7 +14,7 @@ from typing_extensions import override
 from dplit.interrupted_run import INTERRUPT_CHECKPOINT
 from dplit.privacy.dpsgd import NO_NOISE_WARNING
 from dplit.privacy.integrity import check_digests
-from dplit.privacy.sharded_world import SHARDED_FLAG_OWNER, ShardedProcessGroup, check_sharded_settings
+from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.world import ProcessGroup, SingleProcess
 from dplit.strategy_hooks import DPSGDHooks
 
@@ -64,7 +64,7 @@ class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
     """
 
     strategy_name = "dp_sharded"
-    flag_owner = SHARDED_FLAG_OWNER
+    flag_owner = "ShardedDPStrategy"
 
     def __init__(
         self,

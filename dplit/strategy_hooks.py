@@ -8,7 +8,8 @@ DPSGD object; these hooks only say when Lightning calls it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from dplit.privacy.dpsgd import DPSGD, clipping_engine
 from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.noise import NoiseSource
+from dplit.privacy.refusal import SettingError
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
@@ -92,6 +94,18 @@ class DPSGDHooks:
 
     def build_dpsgd(self, world: World) -> None:
         """Build DP-SGD for the module being trained (continuing a resumed ledger)."""
+        with self.naming_refusals():
+            self._build_dpsgd(world)
+
+    @contextmanager
+    def naming_refusals(self) -> Iterator[None]:
+        """A refused knob raised inside names this strategy's knob (``ShardedDPStrategy.target_delta``, ...)."""
+        try:
+            yield
+        except SettingError as error:
+            raise error.named(self.flag_owner) from None
+
+    def _build_dpsgd(self, world: World) -> None:
         module = self.lightning_module
         self._dpsgd = DPSGD(
             module, self.settings, history=module.privacy_history, noise_source=self.noise_source, world=world,
@@ -154,10 +168,11 @@ class DPSGDHooks:
         if self.dpsgd.sample_rate is None:
             raise RuntimeError(f"{type(self).__name__} did not see the training dataloader")
         log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
-        spent = self.dpsgd.start(
-            planned_steps=trainer.estimated_stepping_batches, steps_done=trainer.global_step, log_dir=log_dir,
-            resumed_from=self._resumed_from,
-        )  # fmt: skip
+        with self.naming_refusals():
+            spent = self.dpsgd.start(
+                planned_steps=trainer.estimated_stepping_batches, steps_done=trainer.global_step, log_dir=log_dir,
+                resumed_from=self._resumed_from,
+            )  # fmt: skip
         self._interrupt_path = interrupt_checkpoint_path(trainer, log_dir)
         trainer.should_stop = trainer.should_stop or spent
         facts = self.dpsgd.facts()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers.paths import REPOSITORY
@@ -62,3 +63,27 @@ def test_dplit_has_no_import_cycle() -> None:
     graph = import_graph()
     assert "dplit.cli.main" in graph and "dplit.cli.lightning_cli" in graph["dplit.cli.main"]  # the graph sees real imports
     assert cycles(graph) == [], " ; ".join(" -> ".join(cycle) for cycle in cycles(graph))
+
+
+def _code_strings(path: Path) -> list[str]:
+    """The string constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text())
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    strings = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return [node.value for node in strings if id(node) not in docstrings]
+
+
+def test_privacy_imports_no_lightning_and_names_no_strategy() -> None:
+    """``dplit/privacy/`` is plain PyTorch: no Lightning import, and its refusals let the strategy in use name itself."""
+    for path in (PACKAGE / "privacy").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        assert not any(name.split(".")[0] in ("lightning", "pytorch_lightning") for name in imported), path
+        named = [text for text in _code_strings(path) if re.search(r"DPStrategy\.[a-z_]", text)]  # a knob, not a class
+        assert not named, f"{path.relative_to(PACKAGE)} names a strategy in {named[0]!r}: write refusal.OWNER"

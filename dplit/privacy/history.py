@@ -31,6 +31,7 @@ from dplit.privacy.accounting import History
 from dplit.privacy.export_seal import GUARANTEE_FILE, check_export
 from dplit.privacy.integrity import DIGEST_KEY, check_digests
 from dplit.privacy.ledger import CHECKPOINT_KEY
+from dplit.privacy.refusal import DEFAULT_OWNER
 from dplit.privacy.weights_content import content_digest
 
 __all__ = ["GUARANTEE_FILE", "HISTORY_KEY", "PrivacyHistory", "history_in_checkpoint", "inherited_history"]
@@ -126,7 +127,7 @@ class PrivacyHistory:
         if predictable:
             steps = sum(segment_steps(segment) for segment in predictable)
             return (
-                f"{steps} of the weights' DP steps drew predictable noise (DPStrategy.seed set in "
+                f"{steps} of the weights' DP steps drew predictable noise ({DEFAULT_OWNER}.seed set in "
                 f"{len(predictable)} segment(s)): their noise is known to anyone with the config"
             )
         return None
@@ -243,7 +244,7 @@ class PrivacyHistory:
             f"these weights are now NOT differentially private: they changed outside any step dplit recorded ({where}: "
             "a training loop without DPStrategy, load_state_dict, or an edit); train them only through dplit, load "
             "checkpoints with --ckpt_path or Module.load_from_checkpoint, or, if the change used no private data, say "
-            "so with DPStrategy.public_change='<what was done>' (the card quotes it)"
+            f"so with {DEFAULT_OWNER}.public_change='<what was done>' (the card quotes it)"
         )
 
     def _public_steps_since_seal(self, statement: str, where: str) -> bool:

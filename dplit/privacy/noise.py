@@ -16,11 +16,12 @@ import warnings
 
 import torch
 
+from dplit.privacy.refusal import DEFAULT_OWNER
 from dplit.privacy.seeds import SEED_BITS, derive_seed, seeded_generator
 from dplit.privacy.warnings import PrivacyWarning
 
 PREDICTABLE_WARNING = (
-    "DPStrategy.seed is set: the DP noise and the Poisson batch sampling are reproducible from the config, so "
+    f"{DEFAULT_OWNER}.seed is set: the DP noise and the Poisson batch sampling are reproducible from the config, so "
     "anyone who knows the seed can remove the noise. The privacy guarantee does not hold: do not release this run "
     "or the model trained by it (leave seed unset for noise seeded from the operating system's entropy)"
 )

@@ -10,11 +10,12 @@ from typing import Literal
 
 from dplit.numbers import is_finite_number, range_text
 from dplit.privacy.accounting import DELTA_MAX, Mechanism
+from dplit.privacy.refusal import DEFAULT_OWNER
 
 CLIPPING_ENGINES = ("ghost", "per_example")
 TIED_NORMS = ("exact", "bound")
 ACCOUNTANTS = ("prv", "rdp")
-FLAG_OWNER = "DPStrategy"
+FLAG_OWNER = DEFAULT_OWNER
 """Where a user sets these knobs (``trainer.strategy.init_args.<field>``): every refusal names ``DPStrategy.<field>``."""
 
 

@@ -26,20 +26,18 @@ IN_FLIGHT_ELEMENTS = 1 << 24
 """Whole-sum entries a rank may leave in reduce-scatters still running while its engine forms the next sums (64 MiB
 of float32); one parameter's sum larger than this runs alone."""
 
-SHARDED_FLAG_OWNER = "ShardedDPStrategy"
-"""Where a sharded run's user sets these knobs: its refusals name ``ShardedDPStrategy.<field>``."""
 
 
 def check_sharded_settings(settings: DPSGDSettings) -> None:
     """Refuse, in one line, the settings a sharded DP step cannot honour yet."""
     if settings.clipping != "ghost":
         raise ValueError(
-            f"{SHARDED_FLAG_OWNER}.clipping={settings.clipping!r}: sharded weights are clipped by the ghost engine only "
+            f"{settings.flag_owner}.clipping={settings.clipping!r}: sharded weights are clipped by the ghost engine only "
             "(clipping: ghost)"
         )
     if settings.self_check:
         raise ValueError(
-            f"{SHARDED_FLAG_OWNER}.self_check=true: the ghost self-check compares with autograd on whole weights, which a "
+            f"{settings.flag_owner}.self_check=true: the ghost self-check compares with autograd on whole weights, which a "
             "sharded model has on no rank; set self_check: false (and check a new architecture with one "
             "single-device step of dplit.strategy.DPStrategy)"
         )

@@ -139,3 +139,17 @@ def test_a_shared_setting_refused_under_the_sharded_strategy_names_the_sharded_s
 
     with pytest.raises(ValueError, match=message):
         ShardedDPStrategy(**{"max_grad_norm": 1.0, "noise_multiplier": 1.0, **setting})
+
+
+def test_a_refusal_raised_deep_in_the_privacy_code_names_the_strategy_in_use() -> None:
+    """The accountant's checks do not know the strategy: each Lightning strategy names its own knob."""
+    from dplit.privacy.accounting import check_accountable
+    from dplit.strategy import DPStrategy, ShardedDPStrategy
+
+    plan = {"mechanism": "prv", "sample_rate": 0.1, "steps": 10, "noise_multiplier": 1.0, "target_epsilon": None}
+    for strategy, name in [(DPStrategy(max_grad_norm=1.0, noise_multiplier=1.0), "DPStrategy"),
+                           (ShardedDPStrategy(max_grad_norm=1.0, noise_multiplier=1.0), "ShardedDPStrategy")]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{name}\.target_delta=1e-30 is below") as refused:
+            with strategy.naming_refusals():
+                check_accountable(delta=1e-30, **plan)
+        assert "{owner}" not in str(refused.value) and "DPStrategy" not in str(refused.value).replace(name, "")

@@ -13,12 +13,13 @@ from typing import Any
 import dplit.privacy.accounting.opacus_epsilon as opacus_epsilon
 from dplit.privacy.accounting.checks import refuse_prv_grid
 from dplit.privacy.accounting.limits import DELTA_MAX, History, Mechanism, describe
+from dplit.privacy.refusal import OWNER, SettingError
 
 
 def default_delta(dataset_size: int) -> float:
     """The field's default δ = N^-1.1 for a dataset of N examples."""
     if dataset_size < 1:
-        raise ValueError(f"cannot choose δ for an empty dataset (size {dataset_size})")
+        raise SettingError(f"cannot choose δ for an empty dataset (size {dataset_size})")
     return float(dataset_size) ** -1.1
 
 
@@ -32,9 +33,9 @@ class PrivacyAccountant:
 
     def __init__(self, *, delta: float, mechanism: Mechanism = "prv") -> None:
         if mechanism not in ("prv", "rdp"):
-            raise ValueError(f"accountant must be 'prv' or 'rdp', got {mechanism!r}")
+            raise SettingError(f"accountant must be 'prv' or 'rdp', got {mechanism!r}")
         if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
+            raise SettingError(f"delta must be in (0, 1), got {delta}")
         self._delta = float(delta)
         self._mechanism = mechanism
         self._history: History = []
@@ -80,7 +81,7 @@ class PrivacyAccountant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved ledger (δ and mechanism must match this run's)."""
         if state["mechanism"] != self._mechanism or abs(state["delta"] - self._delta) > 1e-15:
-            raise ValueError(
+            raise SettingError(
                 f"checkpoint ledger was kept with accountant={state['mechanism']}, δ={state['delta']}; "
                 f"this run asks for accountant={self._mechanism}, δ={self._delta}: keep them equal on resume"
             )
@@ -97,20 +98,20 @@ def accounted_epsilon(mechanism: Mechanism, history: History, delta: float) -> f
                 return opacus_epsilon.rdp_epsilon(history, delta)
             return opacus_epsilon.prv_epsilon(history, delta)
     except (ValueError, RuntimeError, MemoryError, OverflowError) as error:
-        raise ValueError(_translate(error, mechanism, history, delta)) from error
+        raise SettingError(_translate(error, mechanism, history, delta)) from error
 
 
 def _translate(error: BaseException, mechanism: Mechanism, history: History, delta: float) -> str:
     text = " ".join(str(error).split()) or type(error).__name__
     if "Cannot compute epsilon" in text:
-        advice = f"use DPStrategy.target_delta ≤ {DELTA_MAX:g} (the default N^-1.1 is safe)"
+        advice = f"use {OWNER}.target_delta ≤ {DELTA_MAX:g} (the default N^-1.1 is safe)"
     elif "Floating point errors" in text:
-        advice = "raise DPStrategy.target_delta, or use DPStrategy.accountant='rdp'"
+        advice = f"raise {OWNER}.target_delta, or use {OWNER}.accountant='rdp'"
     elif mechanism == "prv":
-        advice = "use DPStrategy.accountant='rdp', or change DPStrategy.noise_multiplier or the sample rate"
+        advice = f"use {OWNER}.accountant='rdp', or change {OWNER}.noise_multiplier or the sample rate"
     else:
-        advice = "change DPStrategy.noise_multiplier or the sample rate q = data.batch_size / N"
+        advice = f"change {OWNER}.noise_multiplier or the sample rate q = data.batch_size / N"
     return (
-        f"DPStrategy.accountant='{mechanism}' cannot compute ε for {describe(history)} at "
+        f"{OWNER}.accountant='{mechanism}' cannot compute ε for {describe(history)} at "
         f"δ={delta:.3g} (opacus: {text}): {advice}"
     )

@@ -20,6 +20,7 @@ from dplit.privacy.accounting.limits import (
     plan_text,
 )
 from dplit.privacy.accounting.opacus_epsilon import prv_grid, prv_grid_limit
+from dplit.privacy.refusal import OWNER, SettingError
 
 _SIGMA_LADDER = (10.0, 100.0, NOISE_MULTIPLIER_MAX)  # calibration's first tries; σ > 10 is rare (slow at q = 0.5)
 _MAX_BISECTIONS = 60
@@ -49,7 +50,7 @@ def calibrate_noise_multiplier(
             :data:`NOISE_MULTIPLIER_MAX` reaches the target, or if the target needs a σ smaller than PRV can handle.
     """
     if not is_finite_number(epsilon_tolerance, above=0):
-        raise ValueError(f"epsilon_tolerance must be a finite number > 0, got {epsilon_tolerance}")
+        raise SettingError(f"epsilon_tolerance must be a finite number > 0, got {epsilon_tolerance}")
     steps = max(1, int(steps))
     check_accountable(
         mechanism=mechanism, sample_rate=sample_rate, steps=steps, delta=delta, target_epsilon=target_epsilon
@@ -66,10 +67,10 @@ def calibrate_noise_multiplier(
     sigma, epsilon = search_noise_multiplier(spent, target=target_epsilon, tol=epsilon_tolerance, plan=plan)
     if target_epsilon - epsilon > epsilon_tolerance and not fits(sigma / 1.01):
         lower = f"lower target_epsilon to ≤ {floor_sig(epsilon)}, " if epsilon > PRV_EPS_ERROR else ""
-        raise ValueError(
-            f"DPStrategy.target_epsilon={target_epsilon:g} is beyond DPStrategy.accountant='prv' {plan}: the "
+        raise SettingError(
+            f"{OWNER}.target_epsilon={target_epsilon:g} is beyond {OWNER}.accountant='prv' {plan}: the "
             f"smallest σ its grid handles (≈ {sigma:.3g}) already spends only ε={epsilon:.3g}; {lower}use "
-            f"accountant='rdp', give DPStrategy.noise_multiplier={ceil_sig(sigma)} instead, or plan fewer steps"
+            f"accountant='rdp', give {OWNER}.noise_multiplier={ceil_sig(sigma)} instead, or plan fewer steps"
         )
     return sigma
 
@@ -85,13 +86,13 @@ def search_noise_multiplier(
             return _root(spent, target=target, tol=tol, low=lower, high=(sigma, epsilon))
         lower = (sigma, epsilon)
     if math.isinf(lower[1] or 0.0):
-        raise ValueError(
-            f"DPStrategy.accountant='prv' cannot account {plan} at any DPStrategy.noise_multiplier up to "
+        raise SettingError(
+            f"{OWNER}.accountant='prv' cannot account {plan} at any {OWNER}.noise_multiplier up to "
             f"{NOISE_MULTIPLIER_MAX:g} (its grid would be over {limits.PRV_MAX_GRID:.3g} points): plan fewer steps "
             "(trainer.max_epochs / trainer.max_steps), or use accountant='rdp'"
         )
-    raise ValueError(
-        f"DPStrategy.target_epsilon={target:g} cannot be reached {plan}: even "
+    raise SettingError(
+        f"{OWNER}.target_epsilon={target:g} cannot be reached {plan}: even "
         f"noise_multiplier={NOISE_MULTIPLIER_MAX:g} spends ε={lower[1]:.3g}; raise target_epsilon, or lower "
         "trainer.max_epochs / trainer.max_steps / data.batch_size"
     )

@@ -25,6 +25,7 @@ from dplit.privacy.accounting.limits import (
     plan_text,
 )
 from dplit.privacy.accounting.opacus_epsilon import ALPHAS, grid_points, prv_grid, prv_grid_limit, prv_mesh
+from dplit.privacy.refusal import OWNER, SettingError
 
 
 def check_accountable(
@@ -54,9 +55,9 @@ def check_accountable(
     """
     check_basics(mechanism, sample_rate, delta)
     if mechanism == "prv" and delta < PRV_MIN_DELTA:
-        raise ValueError(
-            f"DPStrategy.target_delta={delta:.3g} is below {PRV_MIN_DELTA:g}, where opacus' PRV accountant is swamped "
-            "by float64 rounding: raise target_delta, or use DPStrategy.accountant='rdp'"
+        raise SettingError(
+            f"{OWNER}.target_delta={delta:.3g} is below {PRV_MIN_DELTA:g}, where opacus' PRV accountant is swamped "
+            f"by float64 rounding: raise target_delta, or use {OWNER}.accountant='rdp'"
         )
     planned = 1 if steps is None else max(1, int(steps))
     if noise_multiplier is not None:
@@ -65,9 +66,9 @@ def check_accountable(
         )
     if target_epsilon is not None:
         if steps is None:
-            raise ValueError(
-                "DPStrategy.target_epsilon needs a finite number of planned steps: set trainer.max_epochs or "
-                "trainer.max_steps, or give DPStrategy.noise_multiplier instead"
+            raise SettingError(
+                f"{OWNER}.target_epsilon needs a finite number of planned steps: set trainer.max_epochs or "
+                f"trainer.max_steps, or give {OWNER}.noise_multiplier instead"
             )
         _check_target_epsilon(target_epsilon, mechanism=mechanism, sample_rate=sample_rate, steps=planned, delta=delta)
 
@@ -75,12 +76,12 @@ def check_accountable(
 def check_basics(mechanism: str, sample_rate: float, delta: float) -> None:
     """Refuse an unknown accountant, a sample rate outside (0, 1] and a δ outside (0, DELTA_MAX]."""
     if mechanism not in ("prv", "rdp"):
-        raise ValueError(f"DPStrategy.accountant must be 'prv' or 'rdp', got {mechanism!r}")
+        raise SettingError(f"{OWNER}.accountant must be 'prv' or 'rdp', got {mechanism!r}")
     if not is_finite_number(sample_rate, above=0, maximum=1):
-        raise ValueError(f"the Poisson sample rate q = data.batch_size / N must be in (0, 1], got {sample_rate}")
+        raise SettingError(f"the Poisson sample rate q = data.batch_size / N must be in (0, 1], got {sample_rate}")
     if not is_finite_number(delta, above=0, maximum=DELTA_MAX):
-        raise ValueError(
-            f"DPStrategy.target_delta={delta:.3g} must be in (0, {DELTA_MAX:g}]: a larger δ is no guarantee "
+        raise SettingError(
+            f"{OWNER}.target_delta={delta:.3g} must be in (0, {DELTA_MAX:g}]: a larger δ is no guarantee "
             "(publishing a random 10% of the examples meets δ = 0.1) and there opacus reports negative ε or fails "
             "('Cannot compute epsilon')"
         )
@@ -92,10 +93,10 @@ def refuse_prv_grid(history: History, delta: float) -> None:
     if grid <= limit:
         return
     if grid <= limits.PRV_MAX_GRID:
-        raise ValueError(_prv_delta_too_small(delta, grid, f"for {describe(history)}"))
-    raise ValueError(
-        f"DPStrategy.accountant='prv' cannot compute ε for {describe(history)} at δ={delta:.3g}: "
-        f"{_grid_problem(grid, limit)}; use accountant='rdp', a larger DPStrategy.noise_multiplier, or fewer steps"
+        raise SettingError(_prv_delta_too_small(delta, grid, f"for {describe(history)}"))
+    raise SettingError(
+        f"{OWNER}.accountant='prv' cannot compute ε for {describe(history)} at δ={delta:.3g}: "
+        f"{_grid_problem(grid, limit)}; use accountant='rdp', a larger {OWNER}.noise_multiplier, or fewer steps"
     )
 
 
@@ -103,8 +104,8 @@ def _check_noise_multiplier(
     sigma: float, *, mechanism: Mechanism, sample_rate: float, steps: int, delta: float
 ) -> None:
     if not is_finite_number(sigma, minimum=0, maximum=NOISE_MULTIPLIER_MAX):
-        raise ValueError(
-            f"DPStrategy.noise_multiplier={sigma:g} must be 0 (no privacy) or in (0, {NOISE_MULTIPLIER_MAX:g}]: "
+        raise SettingError(
+            f"{OWNER}.noise_multiplier={sigma:g} must be 0 (no privacy) or in (0, {NOISE_MULTIPLIER_MAX:g}]: "
             "above it opacus' accountants take seconds per ε (at q = 0.5) and add nothing"
         )
     if sigma == 0 or mechanism != "prv":
@@ -114,28 +115,28 @@ def _check_noise_multiplier(
         return
     plan = plan_text(sample_rate, steps, delta)
     if grid <= limits.PRV_MAX_GRID:  # the δ-dependent part of the limit binds
-        raise ValueError(_prv_delta_too_small(delta, grid, plan))
+        raise SettingError(_prv_delta_too_small(delta, grid, plan))
     smallest = prv_min_noise_multiplier(sample_rate, steps, delta)
     fix = f"use noise_multiplier ≥ {ceil_sig(smallest)}, or " if smallest is not None else "use "
-    raise ValueError(
-        f"DPStrategy.noise_multiplier={sigma:g} is too small for DPStrategy.accountant='prv' {plan}: "
+    raise SettingError(
+        f"{OWNER}.noise_multiplier={sigma:g} is too small for {OWNER}.accountant='prv' {plan}: "
         f"{_grid_problem(grid, limit)}; {fix}accountant='rdp', or plan fewer steps"
     )
 
 
 def _check_target_epsilon(target: float, *, mechanism: Mechanism, sample_rate: float, steps: int, delta: float) -> None:
     if not is_finite_number(target, above=0, maximum=EPSILON_MAX):
-        raise ValueError(
-            f"DPStrategy.target_epsilon={target:g} must be in (0, {EPSILON_MAX:g}]: a larger ε bounds the "
+        raise SettingError(
+            f"{OWNER}.target_epsilon={target:g} must be in (0, {EPSILON_MAX:g}]: a larger ε bounds the "
             f"likelihood ratio by more than e^{EPSILON_MAX:g}, which is no guarantee, and calibration chases σ → 0"
         )
     floor = epsilon_floor(mechanism, delta)
     if target <= floor:
-        other = " or use DPStrategy.accountant='prv'" if mechanism == "rdp" else ""
-        raise ValueError(
-            f"DPStrategy.target_epsilon={target:g} is not above {floor:.3g}, the smallest ε "
-            f"DPStrategy.accountant='{mechanism}' certifies at δ={delta:.3g} however large σ is: raise "
-            f"target_epsilon or DPStrategy.target_delta{other}"
+        other = f" or use {OWNER}.accountant='prv'" if mechanism == "rdp" else ""
+        raise SettingError(
+            f"{OWNER}.target_epsilon={target:g} is not above {floor:.3g}, the smallest ε "
+            f"{OWNER}.accountant='{mechanism}' certifies at δ={delta:.3g} however large σ is: raise "
+            f"target_epsilon or {OWNER}.target_delta{other}"
         )
     if mechanism == "prv":
         _check_prv_target(target, sample_rate=sample_rate, steps=steps, delta=delta)
@@ -149,14 +150,14 @@ def _check_prv_target(target: float, *, sample_rate: float, steps: int, delta: f
         return
     plan = plan_text(sample_rate, steps, delta)
     if grid <= limits.PRV_MAX_GRID:
-        raise ValueError(_prv_delta_too_small(delta, grid, plan))
-    raise ValueError(_prv_out_of_reach(target, plan, grid=grid, largest=limit * mesh / 2 - 2.9))
+        raise SettingError(_prv_delta_too_small(delta, grid, plan))
+    raise SettingError(_prv_out_of_reach(target, plan, grid=grid, largest=limit * mesh / 2 - 2.9))
 
 
 def _prv_out_of_reach(target: float, plan: str, *, grid: float, largest: float) -> str:
     bound = f", i.e. target_epsilon ≤ {floor_sig(largest)} here" if largest > 0 else ""
     return (
-        f"DPStrategy.target_epsilon={target:g} needs DPStrategy.accountant='prv' to build a grid of at least "
+        f"{OWNER}.target_epsilon={target:g} needs {OWNER}.accountant='prv' to build a grid of at least "
         f"{grid:.3g} points {plan} (limit {limits.PRV_MAX_GRID:.3g}{bound}): lower target_epsilon, plan fewer steps "
         "(trainer.max_epochs / trainer.max_steps), or use accountant='rdp'"
     )
@@ -171,7 +172,7 @@ def _grid_problem(grid: float, limit: float) -> str:
 def _prv_delta_too_small(delta: float, grid: float, plan: str) -> str:
     smallest = grid * float(np.finfo(np.longdouble).eps) / (1 - PRV_DELTA_ERROR)
     return (
-        f"DPStrategy.target_delta={delta:.3g} is too small for DPStrategy.accountant='prv' {plan}: rounding on its "
+        f"{OWNER}.target_delta={delta:.3g} is too small for {OWNER}.accountant='prv' {plan}: rounding on its "
         f"{grid:.3g}-point grid swamps any δ below ≈ {smallest:.2g} (opacus: 'Floating point errors will "
         "dominate'); raise target_delta, or use accountant='rdp'"
     )

@@ -53,6 +53,7 @@ from dplit.privacy.clipping.parameter_norms import (
 from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall, checkpointable
 from dplit.privacy.clipping.rounding import clipping_arithmetic
 from dplit.privacy.clipping.units import Units, grouped_use, unit_sums, units_of, without_units
+from dplit.privacy.refusal import OWNER, SettingError
 
 LAYER_ADVICE = (
     "freeze it, use a supported layer (Linear, Conv1D, Embedding, LayerNorm, RMSNorm), register a rule, or use the "
@@ -61,7 +62,7 @@ LAYER_ADVICE = (
 ADAPTER_ADVICE = (
     "ghost clipping covers peft's LoRA on Linear and Conv1D layers: leave this layer out of model.peft's "
     "target_modules (model.train_embeddings trains the embedding itself), use peft.LoraConfig without use_dora, or "
-    "use DPStrategy.clipping=per_example"
+    f"use {OWNER}.clipping=per_example"
 )
 
 
@@ -143,7 +144,7 @@ class GhostEngine(ClippingEngine):
     ) -> None:
         super().__init__(module, max_grad_norm=max_grad_norm, stability=stability)
         if tied_norm not in ("exact", "bound"):
-            raise ValueError(f"tied_norm must be 'exact' or 'bound', got {tied_norm!r}")
+            raise SettingError(f"tied_norm must be 'exact' or 'bound', got {tied_norm!r}")
         self._tied_norm: TiedNorm = tied_norm
         self._rules = dict(NORM_RULES if rules is None else rules)
         self._coverage: Coverage | None = None
@@ -211,7 +212,7 @@ class GhostEngine(ClippingEngine):
             if rule is None or attribute not in rule.parameter_names:
                 holder = self._layer_holding(module_name)
                 advice = ADAPTER_ADVICE if "model.peft" in holder else LAYER_ADVICE
-                raise ValueError(
+                raise SettingError(
                     f"trainable parameter {full_name!r} belongs to {module_name or 'the model'!r} of type {kind}"
                     f"{holder}, which has no ghost clipping rule for it; {advice}"
                 )
@@ -223,13 +224,13 @@ class GhostEngine(ClippingEngine):
         """Refuse a covered module whose own attributes make its rule wrong (``parameter_name``: one it holds)."""
         kind = type(module).__name__
         if "forward" in vars(module):
-            raise ValueError(
+            raise SettingError(
                 f"trainable parameter {parameter_name!r} belongs to {module_name!r} ({kind}), whose forward was "
                 "replaced on the instance: its norm rule describes the class's own forward, so the norms would be wrong"
             )
         reason = rule.refusal(module)
         if reason is not None:
-            raise ValueError(f"trainable parameter {parameter_name!r} ({module_name!r}, {kind}): {reason}")
+            raise SettingError(f"trainable parameter {parameter_name!r} ({module_name!r}, {kind}): {reason}")
 
     def _layer_holding(self, module_name: str) -> str:
         """`` inside 'x' (pkg.Type)``: the nearest enclosing layer not from torch (e.g. a peft adapter layer)."""
@@ -381,7 +382,7 @@ class GhostEngine(ClippingEngine):
             with monitor:
                 losses = loss_fn(batch)
         if monitor.violations:
-            raise ValueError("; ".join(monitor.violations))
+            raise SettingError("; ".join(monitor.violations))
         _check_batch_dims(losses, recorder.calls)
         return losses, recorder.calls
 
@@ -438,10 +439,10 @@ def _is_empty(batch: Batch) -> bool:
 def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
     """Refuse per-batch (not per-example) losses and covered calls whose dim 0 is not the example."""
     if losses.dim() != 1:
-        raise ValueError(f"loss_fn must return one loss per example, shape [B]; got shape {tuple(losses.shape)}")
+        raise SettingError(f"loss_fn must return one loss per example, shape [B]; got shape {tuple(losses.shape)}")
     for call in calls:
         if not call.input_shape or call.input_shape[0] != losses.shape[0]:
-            raise ValueError(
+            raise SettingError(
                 f"{call.name!r} ({type(call.module).__name__}) received input of shape "
                 f"{call.input_shape} for a batch of {losses.shape[0]} examples: ghost clipping needs "
                 f"dim 0 to be the example (e.g. pass position_ids of shape [B, T], not [1, T])"
@@ -452,7 +453,7 @@ def _check_gradients_recorded(calls: list[ModuleCall]) -> None:
     """Refuse covered calls made without autograd (e.g. reentrant gradient checkpointing): their gradient is unseen."""
     for call in calls:
         if not call.grad_enabled:
-            raise ValueError(
+            raise SettingError(
                 f"{call.name!r} ({type(call.module).__name__}) ran under torch.no_grad inside loss_fn (gradient "
                 "checkpointing?): ghost clipping needs the gradient of every call of a trainable layer"
             )

@@ -16,6 +16,7 @@ from dplit.privacy.clipping.engine import (
 )
 from dplit.privacy.clipping.rounding import clipping_arithmetic, kept_gradient_norm, unit_roundoff
 from dplit.privacy.clipping.units import unit_sums, units_of, without_units
+from dplit.privacy.refusal import OWNER, SettingError
 
 
 class _LossModule(nn.Module):
@@ -40,20 +41,20 @@ class PerExampleEngine(ClippingEngine):
     def check_parameters(self) -> None:
         """Refuse what ``vmap`` cannot trace: sdpa attention's mask handling, checkpointing, a quantised base."""
         if any(type(p).__name__ in ("Params4bit", "Int8Params") for p in self._module.parameters()):
-            raise ValueError(
-                "DPStrategy.clipping=per_example cannot run model.quantization (torch.func.vmap cannot trace "
-                "bitsandbytes' quantised matmuls): use DPStrategy.clipping=ghost"
+            raise SettingError(
+                f"{OWNER}.clipping=per_example cannot run model.quantization (torch.func.vmap cannot trace "
+                f"bitsandbytes' quantised matmuls): use {OWNER}.clipping=ghost"
             )
         if any(getattr(sub, "is_activation_checkpointing", False) is True for sub in self._module.modules()):
-            raise ValueError(
-                "DPStrategy.clipping=per_example cannot run model.gradient_checkpointing=true (torch.func.vmap "
-                "cannot trace torch.utils.checkpoint): use DPStrategy.clipping=ghost or gradient_checkpointing=false"
+            raise SettingError(
+                f"{OWNER}.clipping=per_example cannot run model.gradient_checkpointing=true (torch.func.vmap "
+                f"cannot trace torch.utils.checkpoint): use {OWNER}.clipping=ghost or gradient_checkpointing=false"
             )
         for sub in self._module.modules():
             if getattr(getattr(sub, "config", None), "_attn_implementation", None) == "sdpa":
-                raise ValueError(
-                    "DPStrategy.clipping=per_example cannot run model.attn_implementation='sdpa' (torch.func.vmap "
-                    "fails on its attention mask): use model.attn_implementation=eager or DPStrategy.clipping=ghost"
+                raise SettingError(
+                    f"{OWNER}.clipping=per_example cannot run model.attn_implementation='sdpa' (torch.func.vmap "
+                    f"fails on its attention mask): use model.attn_implementation=eager or {OWNER}.clipping=ghost"
                 )
 
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
