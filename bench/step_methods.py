@@ -42,7 +42,6 @@ def shipped_dp_step(
         max_physical_batch_size=args.batch_size, self_check=False,
     )  # fmt: skip
     dpsgd = DPSGD(model, settings, history=model.privacy_history)
-    dpsgd.engine.validate(model.per_example_loss, batch)  # as at DPStrategy's setup: refusals surface here
     dpsgd.sample(DataLoader(TensorDataset(torch.arange(100 * args.batch_size)), batch_size=args.batch_size))
     dpsgd.start(planned_steps=args.warmup + args.steps)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)

@@ -33,7 +33,6 @@ class DPStrategy(DPSGDHooks, DDPStrategy):
     (``process_group_backend``, ``start_method``, ...).
     """
 
-    strategy_name = "dp"
 
     @override
     def configure_ddp(self) -> None:
@@ -63,7 +62,6 @@ class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
         **kwargs: :class:`~dplit.strategy_hooks.DPSGDHooks`' DP arguments (``clipping`` must be ``"ghost"``).
     """
 
-    strategy_name = "dp_sharded"
     flag_owner = "ShardedDPStrategy"
 
     def __init__(

@@ -30,7 +30,6 @@ class CanaryDPStrategy(DPStrategy):
         **kwargs: :class:`~dplit.strategy.DPStrategy`'s arguments.
     """
 
-    strategy_name = "dp_canary"
 
     def __init__(self, *, canaries: int = 1000, canary_seed: int = 0, **kwargs: Any) -> None:
         super().__init__(**kwargs)

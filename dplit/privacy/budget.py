@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.ledger import RunLedger, ledger_folders
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.warnings import say, warn
+from dplit.privacy.weights_content import content_digest
 from dplit.privacy.world import World
 
 EPSILON_OVERHEAD = 0.02
@@ -36,12 +37,14 @@ class PrivacyBudget:
         history: the weights' privacy history, continued by this run.
         world: the ranks (rank 0 writes the ledger and decides; its history is every rank's).
         facts: what the ledger file records beside the accountant's history (the run's public facts).
+        weights: the state dict the history's digest of the weights covers.
     """
 
     def __init__(
-        self, settings: DPSGDSettings, history: PrivacyHistory, world: World, facts: Callable[[], dict[str, Any]]
-    ) -> None:
-        self.settings, self.history, self.world, self._facts = settings, history, world, facts
+        self, settings: DPSGDSettings, history: PrivacyHistory, world: World, facts: Callable[[], dict[str, Any]],
+        *, weights: Callable[[], Mapping[str, Any]],
+    ) -> None:  # fmt: skip
+        self.settings, self.history, self.world, self._facts, self._weights = settings, history, world, facts, weights
         self.ledger = RunLedger()
         self.noise_multiplier = float(settings.noise_multiplier or 0.0)
         """σ (calibrated from ``target_epsilon`` by :meth:`open`)."""
@@ -74,7 +77,7 @@ class PrivacyBudget:
 
     def open(
         self, *, delta: float, sample_rate: float, planned_steps: float, steps_done: int, log_dir: str | None,
-        resumed_from: Path | None, weights_digest: Callable[[], str], segment_facts: Callable[[], dict[str, Any]],
+        resumed_from: Path | None, segment_facts: Callable[[], dict[str, Any]],
     ) -> None:  # fmt: skip
         """Open the ledger on rank 0's verified history and set σ (calibrated for the plan, or a resumed run's)."""
         settings, history = self.settings, self.history
@@ -85,7 +88,7 @@ class PrivacyBudget:
             self._count_steps_after_checkpoint(resumed_from, log_dir, segment_facts())
         history.abandon_open_segment()  # an earlier run's segment never finished explains nothing now
         change = history.verify(
-            weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change
+            self._weights_digest(), where="found before a DP-SGD fit", public_change=settings.public_change
         )
         if change is not None:
             warn(self.world, f"DP-SGD: {change}")
@@ -154,6 +157,21 @@ class PrivacyBudget:
             self._refresh_epsilon()
             self.ledger.write(self._facts(), epsilon=self.epsilon_spent)
 
+    def close_segment(self, *, interrupted: bool = False) -> None:
+        """End this run's segment of the weights' history and seal the weights' digest.
+
+        Args:
+            interrupted: with several processes no collective may run then: weights every rank holds whole are
+                hashed locally; sharded ones are not (the next boundary verifies against the last seal).
+        """
+        if not interrupted or self.world.size == 1:
+            self.history.close_dp_segment(self._weights_digest())
+            return
+        try:
+            self.history.close_dp_segment(content_digest(self._weights()))
+        except ValueError:  # sharded weights
+            self.history.close_dp_segment(None)
+
     def within(self, steps: int) -> bool:
         """Whether ``steps`` DP steps in all (this run's σ, q from now on) spend at most ``target_epsilon``.
 
@@ -187,6 +205,10 @@ class PrivacyBudget:
         )
 
     # --- inside ---------------------------------------------------------------------------------------------------
+
+    def _weights_digest(self) -> str:
+        """The weights' content digest (every rank takes part when they are sharded)."""
+        return content_digest(self._weights(), gather=self.world.gather)
 
     def _epsilon_due(self) -> bool:
         """Whether ε is refreshed after this step: the run's first and last planned steps, else while it is cheap."""

@@ -36,10 +36,9 @@ from torch.utils.hooks import RemovableHandle
 from dplit.privacy.accounting import PrivacyAccountant, default_delta
 from dplit.privacy.budget import PrivacyBudget
 from dplit.privacy.clip_bound import FixedBound, clip_bound_for, clipping_engine
-from dplit.privacy.clipping import GhostEngine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine, ClipStats, PerExampleLoss, trainable_parameters
-from dplit.privacy.clipping.self_check import check_ghost_norms
-from dplit.privacy.clipping.units import UNIT_KEY, batch_size, placeholder_example, split_batch, units_of
+from dplit.privacy.clipping.self_check import FirstBatchCheck
+from dplit.privacy.clipping.units import placeholder_example, require_units, split_batch
 from dplit.privacy.fingerprint import IndexedRows
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
@@ -59,7 +58,6 @@ from dplit.privacy.sum_hooks import SumHook, SumHooks
 from dplit.privacy.training_state import StateWriteGuard, refuse_state_writing_modules
 from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
 from dplit.privacy.warnings import say, warn
-from dplit.privacy.weights_content import content_digest
 from dplit.privacy.world import SingleProcess, World
 
 __all__ = ["DPSGD", "MECHANISM_FACTS", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
@@ -98,12 +96,12 @@ class DPSGD:
         self.engine = engine if engine is not None else clipping_engine(module, settings)
         self.engine.check_parameters()
         refuse_state_writing_modules(module)
-        self.budget = PrivacyBudget(settings, history, self.world, self.facts)
+        weights = weights_state if weights_state is not None else module.state_dict
+        self.budget = PrivacyBudget(settings, history, self.world, self.facts, weights=weights)
         self.bound: FixedBound = FixedBound(settings.max_grad_norm)
         """The clip bound of ``settings.clip_mode`` (:func:`~dplit.privacy.clip_bound.clip_bound_for`, made by
         :meth:`sample`, which knows the expected batch; a resumed quantile run's C_t restored by :meth:`start`)."""
         self._module, self._state_guard = module, StateWriteGuard(module)
-        self._weights_state = weights_state if weights_state is not None else module.state_dict
         self._started = False
         self.sample_rate: float | None = None
         """The Poisson rate q = expected logical batch size / N (set by :meth:`sample`)."""
@@ -115,7 +113,8 @@ class DPSGD:
         self._counting_open = False  # True while the before-noise hooks run: count_units may add to the count
         self._buffer: GradientBuffer | None = None
         self._buffer_handle: RemovableHandle | None = None
-        self._self_check_pending = settings.self_check
+        examples = min(4, settings.max_physical_batch_size)
+        self._self_check = FirstBatchCheck(self.engine, module, enabled=settings.self_check, examples=examples)
         self._before_noise, self._after_noise = SumHooks(), SumHooks()
 
     # --- Algorithm 1 -----------------------------------------------------------------------------------------------
@@ -160,8 +159,7 @@ class DPSGD:
         )  # fmt: skip
         self.budget.open(
             delta=delta, sample_rate=self.sample_rate, planned_steps=planned_steps, steps_done=steps_done,
-            log_dir=log_dir, resumed_from=resumed_from, weights_digest=self._weights_digest,
-            segment_facts=self._segment_facts,
+            log_dir=log_dir, resumed_from=resumed_from, segment_facts=self._segment_facts,
         )  # fmt: skip
         self._started = True
         self._start_bound()
@@ -181,13 +179,14 @@ class DPSGD:
             The logical batch's per-unit losses and gradient norms (before clipping): private, unnoised.
         """
         buffer = self._started_buffer()
-        self._refuse_rows_without_units(batch)
+        require_units(batch, by_user=self._users is not None)
         losses, norms = [], []
         self._state_guard.arm()
         micro_batches = list(split_batch(batch, self.settings.max_physical_batch_size))  # a unit's rows stay together
         placeholders = self.world.micro_batch_count(len(micro_batches)) - len(micro_batches)
         with buffer.receiving():  # every param.grad is a view into the buffer: the engine's sums land in it
-            self._self_check(loss_fn, batch)
+            if self._self_check(loss_fn, batch):
+                say(self.world, "DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
             for micro_batch in micro_batches:
                 stats = self.engine.accumulate(loss_fn, micro_batch)
                 losses.append(stats.losses)
@@ -236,22 +235,9 @@ class DPSGD:
         self.close_segment()
 
     def close_segment(self, *, interrupted: bool = False) -> None:
-        """End this run's segment of the weights' history, sealing the weights' digest.
-
-        Args:
-            interrupted: the run was interrupted; with several processes no collective may run then, so the digest
-                is not sealed (the next boundary verifies against the last checkpoint's).
-        """
-        if not self._started:
-            return
-        if interrupted and self.world.size > 1:  # no collective now: only weights every rank holds whole are hashed
-            try:
-                digest: str | None = content_digest(self._weights_state())
-            except ValueError:  # sharded: the next boundary verifies against the last seal
-                digest = None
-        else:
-            digest = self._weights_digest()
-        self.history.close_dp_segment(digest)
+        """End this run's segment of the weights' history, sealing the weights' digest (see :class:`PrivacyBudget`)."""
+        if self._started:
+            self.budget.close_segment(interrupted=interrupted)
 
     # --- hooks -----------------------------------------------------------------------------------------------------
 
@@ -342,26 +328,6 @@ class DPSGD:
         """N(0, σ_b²) for the quantile count, drawn on rank 0 only (summed over ranks: noised once); 0 without σ."""
         drawn = self.world.rank == 0 and self.budget.noise_multiplier
         return self.noise_source.count_noise(std, steps=self.budget.steps) if drawn else 0.0
-
-    def _weights_digest(self) -> str:
-        """The weights' content digest (every rank takes part when they are sharded)."""
-        return content_digest(self._weights_state(), gather=self.world.gather)
-
-    def _self_check(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
-        """Once, on the first non-empty batch: the ghost engine's norms against autograd's (``settings.self_check``)."""
-        if not self._self_check_pending or not isinstance(self.engine, GhostEngine) or batch_size(batch) == 0:
-            return
-        examples = min(4, self.settings.max_physical_batch_size)
-        check_ghost_norms(self.engine, self._module, loss_fn, batch, examples=examples)
-        self._self_check_pending = False
-        say(self.world, "DP-SGD: ghost clipping self-check passed (per-parameter norms agree with autograd)")
-
-    def _refuse_rows_without_units(self, batch: Batch) -> None:
-        if self._users is not None and batch_size(batch) > 0 and units_of(batch) is None:
-            raise ValueError(
-                f"user-level DP: the training batch has no {UNIT_KEY!r} field, so its rows would be clipped one by "
-                "one (up to k·C per user) while ε counts users: the dataset's collate function must keep each row's user"
-            )
 
     def _announce(self, delta: float) -> None:
         say(self.world, start_line(self.settings, sigma=self.budget.noise_multiplier, sample_rate=self.sample_rate or 0.0,

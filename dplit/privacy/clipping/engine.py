@@ -7,7 +7,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -33,11 +32,6 @@ def clip_factors(norms: Tensor, max_grad_norm: float, *, stability: float | None
     if stability is not None:  # automatic clipping (AUTO-S): every example normalised, ‖c_i g_i‖ < C
         return max_grad_norm / (norms + stability)
     return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-
-
-def at_least_float32(tensor: Tensor) -> Tensor:
-    """``tensor`` in float32 if it is a lower precision (bf16 norms and sums are kept in fp32), else unchanged."""
-    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
 
 
 def trainable_parameters(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -109,9 +103,6 @@ class ClippingEngine(ABC):
 
     def check_parameters(self) -> None:  # noqa: B027 (optional: an engine that clips anything checks nothing)
         """Refuse (``ValueError`` naming it) a trainable parameter no rule covers, before any data is seen."""
-
-    def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:  # noqa: B027 (optional, as above)
-        """Refuse (raise ``ValueError`` naming it) any trainable parameter this engine cannot clip exactly."""
 
     @abstractmethod
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:

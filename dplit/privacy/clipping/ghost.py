@@ -153,19 +153,6 @@ class GhostEngine(ClippingEngine):
         """Refuse any trainable parameter whose module type has no rule for it (no forward needed)."""
         self.coverage()
 
-    def validate(self, loss_fn: PerExampleLoss, batch: Batch) -> None:
-        """Refuse (``ValueError`` naming it) any trainable parameter ghost clipping cannot clip exactly.
-
-        Runs one forward under ``torch.no_grad`` watching every torch call.
-        """
-        coverage = self.coverage()
-        recorder = CallRecorder()
-        try:
-            with torch.no_grad():
-                self._forward(loss_fn, batch, coverage, recorder)
-        finally:
-            recorder.remove_hooks()
-
     def coverage(self) -> Coverage:
         """Map trainable parameters to the covered modules owning them; refuse any parameter without a rule.
 

@@ -20,6 +20,29 @@ from dplit.privacy.clipping.engine import Batch, PerExampleLoss, trainable_param
 from dplit.privacy.clipping.ghost import GhostEngine
 
 
+class FirstBatchCheck:
+    """:func:`check_ghost_norms` once, on the first batch with examples (ghost engines only; off: never).
+
+    Args:
+        engine: the run's clipping engine (any other engine than :class:`GhostEngine` is not checked).
+        module: the model.
+        enabled: ``settings.self_check``.
+        examples: how many examples of that batch are compared.
+    """
+
+    def __init__(self, engine: Any, module: nn.Module, *, enabled: bool, examples: int) -> None:
+        self._engine, self._module, self._examples = engine, module, examples
+        self._pending = enabled and isinstance(engine, GhostEngine)
+
+    def __call__(self, loss_fn: PerExampleLoss, batch: Batch) -> bool:
+        """Run the check if it is due and ``batch`` has examples; whether it ran (and passed) now."""
+        if not self._pending or next(iter(batch.values())).shape[0] == 0:
+            return False
+        check_ghost_norms(self._engine, self._module, loss_fn, batch, examples=self._examples)
+        self._pending = False
+        return True
+
+
 def check_ghost_norms(
     engine: GhostEngine, module: nn.Module, loss_fn: PerExampleLoss, batch: Batch, *, examples: int = 4
 ) -> None:

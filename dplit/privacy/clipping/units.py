@@ -130,3 +130,12 @@ def split_batch(batch: Mapping[str, Tensor], size: int) -> Iterator[dict[str, Te
 def placeholder_example(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """One all-zero row shaped like ``batch``'s (at least one position): a forward pass that clips nothing real."""
     return {key: value.new_zeros((1, *(max(1, size) for size in value.shape[1:]))) for key, value in batch.items()}
+
+
+def require_units(batch: Mapping[str, Tensor], *, by_user: bool) -> None:
+    """Refuse a batch of a user-level run whose rows do not say their user (each row would be clipped alone)."""
+    if by_user and batch_size(batch) > 0 and units_of(batch) is None:
+        raise ValueError(
+            f"user-level DP: the training batch has no {UNIT_KEY!r} field, so its rows would be clipped one by one (up "
+            "to k·C per user) while ε counts users: the dataset's collate function must keep each row's user"
+        )

@@ -348,7 +348,7 @@ def test_frozen_uncovered_module_is_fine() -> None:
 def test_scale_grad_by_freq_and_shared_position_ids_are_refused() -> None:
     embedding = nn.Embedding(5, 3, scale_grad_by_freq=True)
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
-        GhostEngine(embedding, max_grad_norm=1.0).validate(
+        GhostEngine(embedding, max_grad_norm=1.0).accumulate(
             lambda b: embedding(b["x"]).sum((1, 2)), {"x": torch.ones(2, 3, dtype=torch.long)}
         )
     model = lm(UntiedEmbeddings())

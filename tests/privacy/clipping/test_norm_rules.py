@@ -187,7 +187,7 @@ def test_custom_rule_through_engine_rules_option() -> None:
         return model(b["x"]).pow(2).sum((1, 2))
 
     with pytest.raises(ValueError, match=r"'1\.scale'.*Scale"):
-        GhostEngine(model, max_grad_norm=0.1).validate(loss_fn, batch)
+        GhostEngine(model, max_grad_norm=0.1).accumulate(loss_fn, batch)
     engine = GhostEngine(model, max_grad_norm=0.1, rules=rules)
     grads = per_example_gradients(model, loss_fn, batch)
     stats = engine.accumulate(loss_fn, batch)
