@@ -59,7 +59,22 @@ class World(Protocol):
         ...
 
 
-class SingleProcess:
+class WholeReplicas:
+    """Every rank holds whole weights: any setting runs, each rank runs its own forward passes, whole gradients."""
+
+    def check_settings(self, settings: DPSGDSettings) -> None:
+        """Every setting runs on whole replicas."""
+
+    def micro_batch_count(self, count: int) -> int:
+        """``count`` itself: each rank runs its own forward passes."""
+        return count
+
+    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
+        """A buffer of every parameter's whole gradient."""
+        return GradientBuffer(parameters, extra=extra)
+
+
+class SingleProcess(WholeReplicas):
     """One process: every collective is the identity."""
 
     rank = 0
@@ -80,24 +95,13 @@ class SingleProcess:
         """``decision`` itself."""
         return decision
 
-    def check_settings(self, settings: DPSGDSettings) -> None:
-        """Every setting runs in one process."""
-
-    def micro_batch_count(self, count: int) -> int:
-        """``count`` itself."""
-        return count
-
-    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
-        """A buffer of every parameter's whole gradient."""
-        return GradientBuffer(parameters, extra=extra)
-
     def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
         """Add the noise to every coordinate."""
         if std:
             buffer.add_noise(std, generator(0))
 
 
-class ProcessGroup:
+class ProcessGroup(WholeReplicas):
     """The default torch.distributed process group (initialised by the caller: Lightning, torchrun, ...).
 
     Args:
@@ -132,17 +136,6 @@ class ProcessGroup:
         count = torch.tensor(int(decision), device=self._device)
         dist.all_reduce(count, op=dist.ReduceOp.SUM)
         return int(count.item()) == self.size
-
-    def check_settings(self, settings: DPSGDSettings) -> None:
-        """Every setting runs on whole replicas."""
-
-    def micro_batch_count(self, count: int) -> int:
-        """``count`` itself: with whole replicas, each rank runs its own forward passes."""
-        return count
-
-    def gradient_buffer(self, parameters: list[nn.Parameter], *, extra: int) -> GradientBuffer:
-        """A buffer of every parameter's whole gradient (each rank holds a replica)."""
-        return GradientBuffer(parameters, extra=extra)
 
     def noisy_sum(self, buffer: GradientBuffer, *, std: float, generator: NoiseGenerator) -> None:
         """Rank 0 adds the noise to its clipped sum, then one all-reduce: the same noisy bits on every rank."""

@@ -68,13 +68,11 @@ def epsilon_under(
         ValueError: in one line, for an unknown relation or a σ, q, steps, δ or grid step out of range.
     """
     neighboring = _neighboring_relation(relation)
-    _check_delta(delta)
-    _check_interval(value_discretization_interval)
+    _check_delta_and_interval(delta, value_discretization_interval)
     segments = [_checked_segment(index, segment) for index, segment in enumerate(history)]
-    if not segments:
-        return 0.0
-    if any(sigma == 0 for sigma, _, _ in segments):
-        return math.inf
+    trivial = _trivial_epsilon([sigma for sigma, _, _ in segments])
+    if trivial is not None:
+        return trivial
     accountant = pld_privacy_accountant.PLDAccountant(
         neighboring_relation=neighboring, value_discretization_interval=value_discretization_interval
     )
@@ -99,24 +97,17 @@ def epsilon_composed(
     the segments' distributions compose. Every segment under one relation gives :func:`epsilon_under`'s ε.
 
     Args:
-        segments: (relation, σ, q, steps) in the order they ran; relation ``"add_remove"`` or ``"replace_one"``,
-            σ ≥ 0 (σ = 0 is no noise: ε = ∞), q in (0, 1], steps ≥ 1. Empty: nothing spent, ε = 0.
-        delta: the δ in (0, 1) at which ε is reported.
-        value_discretization_interval: the PLD grid step (see :data:`VALUE_DISCRETIZATION_INTERVAL`).
-
-    Returns:
-        The smallest ε (≥ 0) for which dp-accounting certifies (ε, δ)-DP, or ``math.inf``.
-
-    Raises:
-        ValueError: in one line, for an unknown relation or a σ, q, steps, δ or grid step out of range.
+        segments: (relation, σ, q, steps) in the order they ran, each relation ``"add_remove"`` or
+            ``"replace_one"``; σ, q, steps, ``delta`` and ``value_discretization_interval`` as in
+            :func:`epsilon_under`, which also says what is returned and refused.
+        delta: the δ at which ε is reported.
+        value_discretization_interval: the PLD grid step.
     """
-    _check_delta(delta)
-    _check_interval(value_discretization_interval)
+    _check_delta_and_interval(delta, value_discretization_interval)
     checked = [_checked_related(index, segment) for index, segment in enumerate(segments)]
-    if not checked:
-        return 0.0
-    if any(sigma == 0 for _, sigma, _, _ in checked):
-        return math.inf
+    trivial = _trivial_epsilon([sigma for _, sigma, _, _ in checked])
+    if trivial is not None:
+        return trivial
     composed = None
     for relation, sigma, q, steps in checked:
         one = privacy_loss_distribution.from_gaussian_mechanism(
@@ -163,6 +154,18 @@ def _neighboring_relation(relation: str) -> dp_accounting.NeighboringRelation:
     if relation not in _RELATIONS:
         raise ValueError(f"relation must be 'add_remove' or 'replace_one', got {relation!r}")
     return _RELATIONS[relation]
+
+
+def _check_delta_and_interval(delta: float, interval: float) -> None:
+    _check_delta(delta)
+    _check_interval(interval)
+
+
+def _trivial_epsilon(sigmas: list[float]) -> float | None:
+    """ε without an accountant: 0 for no step, ∞ when some step added no noise (``None``: compute it)."""
+    if not sigmas:
+        return 0.0
+    return math.inf if any(sigma == 0 for sigma in sigmas) else None
 
 
 def _check_delta(delta: float) -> None:
