@@ -21,7 +21,6 @@
 # replaces the summary of an earlier GPU run in the default folder (it writes bench/out/gpu/cpu-check/).
 #
 # Run:  bash bench/gpu.sh                (from the repository root; exit 0 when no part failed or timed out)
-#       bash benchmarks/gpu.sh           (the documented command: a wrapper that runs this script)
 # Each part runs in the repository root, as `python -m bench.<name>` or `python -m pytest`.
 # Env:  PYTHON (python), DPLIT_DATA_DIR (default ../shared/data, else shared/data), DPLIT_GPU_OUT, DPLIT_GPU_WORK,
 #       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP / _MEMORY (seconds per part)

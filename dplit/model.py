@@ -1,4 +1,8 @@
-"""Where configs and checkpoints written before issue 33 name the classifier: it lives in :mod:`dplit.tasks.classifier`."""
+"""Where configs and checkpoints written before issue 33 name the classifier: it lives in :mod:`dplit.tasks.classifier`.
+
+To be removed in dplit 0.2.0: new configs name the new path; by then ``dplit export`` and resuming map the old class
+paths that release-0.1.0 checkpoints record.
+"""
 
 from dplit.tasks.classifier import CausalLMClassifier, GPT2Classifier
 

@@ -1,7 +1,7 @@
 """CUDA-only checks (``pytest -m gpu``), skipped (saying why) where torch sees no CUDA device.
 
 bf16-mixed ghost clipping against the fp32 reference engine, DPStrategy on one GPU with NCCL, and CUDA peak-memory
-logging. ``bash bench/gpu.sh`` (or the documented ``bash benchmarks/gpu.sh``, which runs it) runs them on a GPU
+logging. ``bash bench/gpu.sh`` runs them on a GPU
 machine.
 
 bf16 keeps 8 bits of mantissa (relative spacing 2^-8 ≈ 4e-3), and autocast runs the forward and the output gradients

@@ -1,8 +1,7 @@
 """bench/gpu.sh on a machine without CUDA: it records every part as skipped, with the reason, and exits 0.
 
 The script is run with ``CUDA_VISIBLE_DEVICES=""`` so that torch sees no GPU on any machine (a GPU machine would
-otherwise run the whole 9-minute script here); its summary goes to a temporary folder. ``benchmarks/gpu.sh``, the
-documented command, is a wrapper that runs it with the same arguments (the benchmarks moved to bench/).
+otherwise run the whole 9-minute script here); its summary goes to a temporary folder.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
 SCRIPT = ROOT / "bench" / "gpu.sh"
-WRAPPER = ROOT / "benchmarks" / "gpu.sh"
 PARTS = ["tests", "bench_gpt2", "bench_smollm2", "tying", "fsdp_smoke", "memory_smoke"]
 
 
@@ -39,9 +37,8 @@ def run_script(out: Path, work: Path, script: Path = SCRIPT, **env: str) -> subp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [SCRIPT, WRAPPER], ids=["bench/gpu.sh", "benchmarks/gpu.sh"])
-def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path, script: Path) -> None:
-    done = run_script(tmp_path / "out", tmp_path / "work", script)
+def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path) -> None:
+    done = run_script(tmp_path / "out", tmp_path / "work", SCRIPT)
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["complete"] and summary["exit_code"] == 0 and summary["cuda_available"] is False
@@ -78,26 +75,3 @@ def test_a_cpu_run_never_replaces_a_gpu_runs_summary_in_the_default_folder(tmp_p
     assert json.loads((tmp_path / "work" / "cpu-check" / "summary.json").read_text())["cuda_available"] is False
 
 
-def test_benchmarks_holds_nothing_but_the_wrapper_of_bench_gpu_sh() -> None:
-    assert sorted(path.name for path in WRAPPER.parent.iterdir()) == ["gpu.sh"]
-    lines = WRAPPER.read_text().splitlines()
-    assert lines[0] == "#!/usr/bin/env bash" and "moved to bench/" in lines[1] and "benchmarks/gpu.sh" in lines[2]
-    assert [line for line in lines if not line.startswith("#")] == [
-        'exec bash "$(dirname "${BASH_SOURCE[0]}")/../bench/gpu.sh" "$@"'
-    ]
-
-
-@pytest.mark.slow
-def test_the_wrapper_runs_bench_gpu_sh_with_its_arguments_in_the_callers_directory(tmp_path: Path) -> None:
-    """benchmarks/gpu.sh execs bench/gpu.sh beside it: the same arguments, directory (relative paths) and exit code."""
-    checkout = tmp_path / "checkout"
-    (checkout / "benchmarks").mkdir(parents=True)
-    (checkout / "bench").mkdir()
-    (checkout / "benchmarks" / "gpu.sh").write_text(WRAPPER.read_text())
-    (checkout / "bench" / "gpu.sh").write_text('printf "%s\\n" "$PWD" "$#" "$@"\nexit 7\n')
-    caller = tmp_path / "elsewhere"
-    caller.mkdir()
-    done = subprocess.run(["bash", str(checkout / "benchmarks" / "gpu.sh"), "two words", "--x=1"], cwd=caller,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
-    assert done.returncode == 7, done.stderr
-    assert done.stdout.splitlines() == [str(caller), "2", "two words", "--x=1"]
