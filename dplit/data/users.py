@@ -60,7 +60,11 @@ def private_diagnostics_off(datamodule: object) -> bool:
 
 
 def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per_user: int) -> None:
-    """Refuse, in one line naming the flag, a privacy unit dplit does not know, k ≤ 0, or a stray user column."""
+    """Refuse, in one line naming the flag, a privacy unit dplit does not know, k ≤ 0, or a stray user setting.
+
+    A user column or a ``max_rows_per_user`` other than 1 without ``privacy_unit: user`` would train example-level
+    DP without a word (a user with k rows is then protected at about k·ε): both are refused.
+    """
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"data.privacy_unit must be one of {', '.join(PRIVACY_UNITS)}, got {privacy_unit!r}")
     if isinstance(max_rows_per_user, bool) or not isinstance(max_rows_per_user, int) or max_rows_per_user < 1:
@@ -69,4 +73,9 @@ def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per
         raise ValueError(
             f"data.user_column={user_column!r} is set but data.privacy_unit={privacy_unit!r}: set "
             "data.privacy_unit=user for user-level DP (or drop data.user_column)"
+        )
+    if max_rows_per_user != 1 and privacy_unit != "user":
+        raise ValueError(
+            f"data.max_rows_per_user={max_rows_per_user} is set but data.privacy_unit={privacy_unit!r}: set "
+            "data.privacy_unit=user for user-level DP (or drop data.max_rows_per_user)"
         )

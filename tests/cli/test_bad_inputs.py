@@ -303,6 +303,9 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("freeze-prefix-typo", flags("--model.freeze", '["backbone.transfomer.wpe"]'), r"^model\.freeze: no parameter name starts with 'backbone\.transfomer\.wpe' \(did you mean 'backbone\.transformer\.wpe'\?\)$"),
     ("per-example-with-sdpa", flags("--trainer.strategy.init_args.clipping", "per_example", "--model.attn_implementation", "sdpa"), r"^DPStrategy\.clipping=per_example cannot run model\.attn_implementation='sdpa'"),
     ("lm-no-sample-tokens", lm_flags("--model.sample_tokens", "0"), r"^model\.sample_tokens=0: must be an integer ≥ 1"),
+    # user-level DP settings without the user unit: example-level DP would be trained without a word
+    ("max-rows-per-user-without-user-unit", flags("--data.max_rows_per_user", "4"), r"^data\.max_rows_per_user=4 is set but data\.privacy_unit='example': set data\.privacy_unit=user"),
+    ("lm-max-rows-per-user-without-user-unit", lm_flags("--data.max_rows_per_user", "4"), r"^data\.max_rows_per_user=4 is set but data\.privacy_unit='example'"),
     # data files and paths
     ("tsv-not-utf8", sst2_row((GOOD_TSV + "it was b\xe9te . \t0\n").encode("latin-1")), r"train.tsv, line 5: not UTF-8 text \(at column 9\)$"),
     ("tsv-only-blank-lines", sst2_row("\n  \n\n"), r"train.tsv: no examples \(only blank lines\)$"),
@@ -390,6 +393,7 @@ END_TO_END = {
     "validate-missing-checkpoint",  # dplit validate
     "audit-one-canary",  # dplit audit
     "lm-audit-confidence-zero",  # dplit lm audit
+    "lm-max-rows-per-user-without-user-unit",  # dplit lm fit: a user setting without the user unit (issue 50)
     "export-not-a-dplit-checkpoint",  # dplit export
     "generate-prompts-not-utf8",  # dplit lm generate
 }
