@@ -8,7 +8,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ def export_checkpoint(
     adapter_only: bool = False,
     overwrite: bool = False,
     data_description: str | None = None,
+    on_checked: Callable[[], None] | None = None,
 ) -> Path:
     """Write ``output_dir``: weights, config, generation config, tokenizer, ``README.md`` and ``dp_guarantee.json``.
 
@@ -46,6 +47,8 @@ def export_checkpoint(
         adapter_only: write peft's adapter folder (``PeftModel.from_pretrained`` loads it) instead of the merged model.
         overwrite: replace an earlier dplit export in ``output_dir``.
         data_description: what the card says the training data was (default: the file's or folder's base name).
+        on_checked: called once the checkpoint and the output folder are checked, before the work (the command
+            announces the work there, so a refused input prints only its one line).
 
     Returns:
         The folder written.
@@ -65,6 +68,8 @@ def export_checkpoint(
             "the run's base is quantised (model.quantization): export its adapters with --adapter_only, and merge "
             "them onto the float base if you need one model (PeftModel.from_pretrained(base, folder).merge_and_unload())"
         )
+    if on_checked is not None:
+        on_checked()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(_umask_mode(0o777))  # mkdtemp makes it 0700; a model meant for sharing follows the umask
     try:
