@@ -148,6 +148,22 @@ class DPSGDHooks:
     def on_train_start(self) -> None:
         """Start the DP-SGD run (σ, δ, ledger, budget); stop at once if the budget is already spent."""
         super().on_train_start()  # type: ignore[misc]
+        self._start_run()
+
+    def start_without_steps(self) -> bool:
+        """Check and record a fit whose loop Lightning skipped (a resume whose plan is done); ``False``: none skipped.
+
+        Lightning calls no ``on_train_start`` when its plan is already done, so without this the resume would check
+        nothing (N, δ, the ranks' rows), write no ledger and report no ε. Called by the CLI once ``trainer.fit`` returns.
+        """
+        if self._dpsgd is None or self._dpsgd.accountant is not None or self._dpsgd.sample_rate is None:
+            return False
+        self._start_run()
+        self._dpsgd.finish()
+        return True
+
+    def _start_run(self) -> None:
+        """Start DP-SGD for the trainer's plan: the checks, σ, the ledger, the budget (``on_train_start``'s work)."""
         trainer = self.lightning_module.trainer
         if self.dpsgd.sample_rate is None:
             raise RuntimeError(f"{type(self).__name__} did not see the training dataloader")

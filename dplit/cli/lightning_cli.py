@@ -26,11 +26,18 @@ from dplit.cli.config_checks import (
     names_a_local_file,
 )
 from dplit.cli.messages import essential_error
-from dplit.cli.run_summary import PREEMPTED_EXIT, find_last_checkpoint, resume_hint, run_summary
+from dplit.cli.run_summary import (
+    PREEMPTED_EXIT,
+    find_last_checkpoint,
+    nothing_trained,
+    resume_hint,
+    run_summary,
+)
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.checkpoint import check_checkpoint_file
+from dplit.strategy_hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
 
@@ -118,14 +125,20 @@ class DPLitCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
             raise SystemExit(PREEMPTED_EXIT) from None
+        strategy = self.trainer.strategy
+        self._took_no_step = isinstance(strategy, DPSGDHooks) and strategy.start_without_steps()
 
     def after_fit(self) -> None:
-        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent."""
+        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent.
+
+        A resume whose plan was already done says so instead of "done", with how to train further.
+        """
         if self.trainer.interrupted:
             return
         summary = run_summary(self.trainer)  # on every rank: trainer.log_dir is a collective under several processes
         if self.trainer.is_global_zero:
-            print(f"dplit: done: {summary}")
+            done = nothing_trained(self.trainer) if getattr(self, "_took_no_step", False) else "done"
+            print(f"dplit: {done}: {summary}")
 
     def before_validate(self) -> None:
         """Resolve ``--ckpt_path last``."""

@@ -53,6 +53,19 @@ def find_last_checkpoint(trainer: Trainer) -> Path:
     return max(found, key=lambda path: path.stat().st_mtime)
 
 
+def nothing_trained(trainer: Trainer) -> str:
+    """Why a resumed fit took no step (its plan was already done), and how to train further."""
+    steps, epochs = trainer.max_steps, trainer.max_epochs
+    if steps is not None and steps != -1 and trainer.global_step >= steps:
+        reached = f"trainer.max_steps={steps}"
+    else:
+        reached = f"trainer.max_epochs={epochs}"
+    return (
+        f"nothing to train: the checkpoint is at step {trainer.global_step} (epoch {trainer.current_epoch}), where "
+        f"{reached} ends the plan; to train further, rerun with a larger {reached.split('=')[0]}"
+    )
+
+
 def run_summary(trainer: Trainer) -> str:
     """Where a finished ``fit`` left its checkpoint, ``privacy_ledger.json`` and TensorBoard logs, and its ε."""
     parts = []
@@ -71,7 +84,9 @@ def run_summary(trainer: Trainer) -> str:
 
 def privacy_spent(strategy: Any) -> str:
     """``ε=7.99 at δ=0.00294 after 40 DP steps``, or that the run had no privacy guarantee."""
-    accountant = strategy.accountant if isinstance(strategy, DPSGDHooks) else None
-    if accountant is None:
+    if not isinstance(strategy, DPSGDHooks):
         return "NON-PRIVATE run: no ε, no differential privacy guarantee"
+    accountant = strategy.accountant
+    if accountant is None:  # DP-SGD never started: no step was taken, and a checkpoint's ε is its ledger's
+        return "no DP step taken (the ε of a resumed checkpoint is in its privacy_ledger.json)"
     return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} after {accountant.steps} DP steps"

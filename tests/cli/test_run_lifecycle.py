@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
-from tests.helpers.commands import CONFIGS
-from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
+from tests.helpers.commands import CONFIGS, quickstart_args, steps
+from tests.helpers.executable import dplit_executable, refusal_line, run_dplit_in_process, user_environment
 
 
 def quickstart(run: Path, *extra: str) -> list[str]:
@@ -62,3 +62,27 @@ def test_sigterm_exits_143_saying_how_to_resume_and_the_resumed_run_names_what_i
 
 def test_a_non_private_run_says_it_spent_no_epsilon() -> None:
     assert privacy_spent(object()) == "NON-PRIVATE run: no ε, no differential privacy guarantee"
+
+
+def test_a_resume_with_nothing_to_do_says_so_checks_and_writes_the_ledger_never_calling_dp_weights_non_private(
+    tmp_path: Path,
+) -> None:
+    """``--ckpt_path last`` once max_epochs is reached (resume.md, verbatim after a run): one line, how to go on."""
+    first = run_dplit_in_process("fit", *quickstart_args(tmp_path, *steps(2)))
+    assert first.returncode == 0, first.stdout + first.stderr
+    resumed = run_dplit_in_process("fit", *quickstart_args(tmp_path, *steps(2), "--ckpt_path", "last"))
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0 and "NON-PRIVATE" not in output and "dplit: done:" not in output, output
+    closing = [line for line in output.splitlines() if line.startswith("dplit: nothing to train:")]
+    assert len(closing) == 1 and "trainer.max_epochs=1" in closing[0] and "larger trainer.max_epochs" in closing[0]
+    assert "ε=" in closing[0] and "after 2 DP steps" in closing[0], output
+    ledger = tmp_path / "lightning_logs" / "version_1" / "privacy_ledger.json"
+    assert ledger.is_file() and f"privacy ledger {ledger}" in closing[0]
+
+
+def test_a_resume_with_nothing_to_do_runs_the_checks_of_one_with_steps(tmp_path: Path) -> None:
+    """A resume on a training set of another size is refused even when its plan is already done."""
+    assert run_dplit_in_process("fit", *quickstart_args(tmp_path, *steps(2))).returncode == 0
+    other = quickstart_args(tmp_path, *steps(2), "--data.synthetic_train_size", "240", "--ckpt_path", "last")
+    error = refusal_line(run_dplit_in_process("fit", *other))
+    assert "240" in error and "200" in error, error
