@@ -30,7 +30,7 @@ from dplit.privacy.noise import NoiseSource
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
-from dplit.strategy_checks import check_module, check_trainer
+from dplit.strategy_checks import check_module, check_same_privacy_unit, check_trainer
 
 UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
 """What TensorBoard's hyperparameters show as ``privacy/*``: the privacy unit's public counts and the clipping mode's
@@ -168,6 +168,7 @@ class DPSGDHooks:
         if self.dpsgd.sample_rate is None:
             raise RuntimeError(f"{type(self).__name__} did not see the training dataloader")
         log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
+        check_same_privacy_unit(self._restored, self.dpsgd.facts())
         spent = self.dpsgd.start(
             planned_steps=trainer.estimated_stepping_batches, steps_done=trainer.global_step, log_dir=log_dir,
             resumed_from=self._resumed_from,

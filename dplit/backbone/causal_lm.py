@@ -270,8 +270,20 @@ def check_gguf_file(folder: str, gguf_file: str, flag_prefix: str) -> None:
 
 
 def unloadable_message(name: str, flag: str, error: Exception, what: str = "model") -> str:
-    """The message for a checkpoint (``what``: or a dataset) that neither exists as a folder nor loads from the hub."""
-    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+    """The message for a checkpoint (``what``: or a dataset) that neither exists as a folder nor loads from the hub.
+
+    A file given where the folder is expected is named as a file (a GGUF file: with the flags that load it).
+    """
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            side = flag.split(".")[0]
+            return (
+                f"{flag}={name!r}: is a GGUF file, expected its folder; set {flag}={str(path.parent)!r} and "
+                f"{side}.gguf_file={path.name!r} (data.tokenizer and data.gguf_file the same)"
+            )
+        return f"{flag}={name!r}: is a file, expected a {what} folder"
+    if path.exists() or name.startswith((".", "/", "~")):
         folder = "is not a model folder (no config.json)" if what == "model" else f"is not a {what} folder"
         where = folder if Path(name).is_dir() else "does not exist"
         return f"{flag}={name!r}: the folder {where}"

@@ -34,6 +34,21 @@ def synthetic_users(rows: int, *, seed: int, most_rows: int) -> list[str]:
     return ids[:rows]
 
 
+def check_several_users(users: Sequence[int], *, source: str, column: str | None) -> None:
+    """Refuse user-level DP over a training set whose rows all belong to one user (the column names no owner).
+
+    With one user, N = 1: the default δ = N^-1.1 is 1 and no guarantee means anything, so the refusal names the
+    column rather than the δ it would otherwise trip over.
+    """
+    if users and max(users) == 0:
+        given = f"data.user_column={column!r}" if column is not None else "the user assignment"
+        raise ValueError(
+            f"{source}: {given} gives one user for all {len(users)} training rows: user-level DP over one user "
+            "protects nobody from anybody; name the column that says whose each row is, or use "
+            "data.privacy_unit=example"
+        )
+
+
 def warn_dominant_user(users: Sequence[int], *, source: str, quiet: bool = False) -> None:
     """Warn when one user owns more than :data:`DOMINANT_SHARE` of the rows (its share unless ``quiet``).
 
