@@ -77,6 +77,14 @@ def random_bytes_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     return ["--ckpt_path", str(scratch / "noise.ckpt")]
 
 
+def truncated_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
+    """The first half of a checkpoint file (a copy or a save that did not finish)."""
+    torch.save({"state_dict": {"layer.weight": torch.zeros(64, 64)}}, scratch / "whole.ckpt")
+    data = (scratch / "whole.ckpt").read_bytes()
+    (scratch / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    return ["--ckpt_path", str(scratch / "cut.ckpt")]
+
+
 def object_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     """A file torch.save wrote, holding an arbitrary Python object (no checkpoint: weights_only refuses it)."""
     torch.save({"a": object()}, scratch / "object.ckpt")
@@ -245,6 +253,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ),
     ("text-file-as-checkpoint", with_files(text_checkpoint), r"--ckpt_path .*notes.ckpt: not a checkpoint"),
     ("random-bytes-as-checkpoint", with_files(random_bytes_checkpoint), r"--ckpt_path .*noise.ckpt: not a checkpoint"),
+    ("truncated-checkpoint", with_files(truncated_checkpoint), r"^--ckpt_path .*cut\.ckpt: truncated or damaged \(it starts as a torch\.save file"),
     ("checkpoint-pickles-an-object", with_files(object_checkpoint), r"^--ckpt_path .*object\.ckpt: not a checkpoint dplit can load: it pickles builtins\.object"),
     ("missing-checkpoint", flags("--ckpt_path", "/nonexistent/last.ckpt"), r"--ckpt_path /nonexistent/last.ckpt: no such"),
     (
@@ -355,6 +364,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
     # the privacy audit: dplit audit and dplit lm audit
     ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
+    ("audit-two-canaries", auditing("--audit.canaries", "2"), r"^audit\.canaries=2 cannot refute any claim at 95% confidence: all 2 guesses right happen by chance with probability 2\^-2 = 0\.25; use at least 5"),
     ("audit-confidence-outside-0-1", auditing("--audit.confidence", "1.5"), r"^audit\.confidence must be in \(0, 1\), got 1\.5$"),
     ("audit-unknown-mode", auditing("--audit.mode", "grey_box"), r"^audit\.mode must be one of white_box, black_box, got 'grey_box'$"),
     ("audit-unknown-analysis", auditing("--audit.analysis", "renyi"), r"^audit\.analysis must be one of fdp, eps_delta, got 'renyi'$"),
