@@ -263,8 +263,9 @@ class DPSGD:
             self._buffer_handle.remove()
         self._buffer_handle = self.engine.register_summed_hook(self._buffer.receive)
         self._say(
-            f"DP-SGD: σ={self._noise_multiplier:.4f}, C={self.settings.max_grad_norm}, q={self._sample_rate:.3g}, "
-            f"expected batch {self.expected_batch_size:.1f}, δ={delta:.3g}, clipping={self.settings.clipping}, "
+            f"DP-SGD: σ={self._noise_multiplier:.4f}, {_clip_text(self.settings)}, q={self._sample_rate:.3g}, "
+            f"expected batch {self.expected_batch_size:.1f} {'users' if self._user_level is not None else 'examples'}, "
+            f"δ={delta:.3g}, clipping={self.settings.clipping}, "
             f"steps so far {self._ledger.steps}, noise {self.noise_source.describe()}"
         )
         if self._noise_multiplier == 0:
@@ -739,6 +740,16 @@ def _size_and_rate(loader: DataLoader, size: int, *, users: bool) -> tuple[int, 
         what = f"the expected users per batch, at most the {size} users" if users else f"at most the {size} rows"
         raise ValueError(f"data.batch_size must be in [1, {size}] ({what}), got {batch}")
     return size, batch / size
+
+
+def _clip_text(settings: DPSGDSettings) -> str:
+    """The start-up line's clipping: ``C=1.0 (fixed)``, ``C_0=1.0 (quantile: C follows the norms)`` or automatic."""
+    bound, mode = settings.max_grad_norm, settings.clip_mode
+    if mode == "quantile":
+        return f"C_0={bound} (clip_mode quantile: C follows a quantile of the norms)"
+    if mode == "automatic":
+        return f"C={bound} (clip_mode automatic: a scale, not a bound)"
+    return f"C={bound} (clip_mode fixed)"
 
 
 def _check_same_dataset_size(restored: int | None, dataset_size: int) -> None:
