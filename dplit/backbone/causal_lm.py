@@ -21,7 +21,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dplit.backbone.quantization import keep_weights_as_loaded
+from dplit.backbone.quantization import announce_quantized_base, keep_weights_as_loaded
 from dplit.numbers import is_finite_number
 
 DROPOUT_SETTINGS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
@@ -240,6 +240,8 @@ def _pretrained_model(
         pretrained, config=config, attn_implementation=attn_implementation, dtype=torch.float32, **source
     )
     keep_weights_as_loaded(model)
+    if quantization is not None:
+        announce_quantized_base(quantization, pretrained)
     return model.train()  # from_pretrained returns eval mode; Lightning switches modes from here
 
 
