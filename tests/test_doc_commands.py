@@ -30,6 +30,8 @@ EXPORT = f"dplit export --ckpt_path {LAST} --output_dir my-private-model"
 SHORT = ("--trainer.max_steps", "1")
 RESUME = f"dplit fit --config configs/quickstart.yaml --ckpt_path {LAST}"
 RESUME_LAST = "dplit fit --config configs/quickstart.yaml --ckpt_path last"
+MEMORY = "dplit fit --config configs/quickstart.yaml --model.gradient_checkpointing true --model.checkpointed_share 0.5"
+CLIP_MODE = "dplit fit --config configs/quickstart.yaml --trainer.strategy.init_args.clip_mode"
 
 WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
     # README's quickstart and its first more command, the tutorial top to bottom, export.md, resume.md
@@ -39,6 +41,7 @@ WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         (EXPORT, ()),
         (RESUME, SHORT),  # the quickstart's plan is done: both resumes have nothing to do, and say so
         (RESUME_LAST, SHORT),
+        (MEMORY, SHORT),  # memory.md's offline variant
     ],
     # the tutorial's step 5, language-model.md and generate.md (its export is of the LM run, version_0 here)
     "language model": [
@@ -61,11 +64,14 @@ NOT_RUN = {
     "dplit audit --config configs/quickstart.yaml --audit.canaries 1000": "tests/audit/test_audit.py",
     "dplit audit --config configs/quickstart.yaml --audit.mode black_box": "tests/audit/test_audit.py",
     "dplit lm audit --config configs/lm_quickstart.yaml": "tests/audit/test_audit.py (test_lm_audit_on_a_tiny_llama)",
+    f"{CLIP_MODE} quantile": "tests/cli/test_terminal.py (test_the_start_up_line_names_the_clip_mode_and_the_unit)",
+    f"{CLIP_MODE} automatic": "tests/cli/test_terminal.py (test_the_start_up_line_names_the_clip_mode_and_the_unit)",
     "dplit fit --config configs/quickstart.yaml --data.privacy_unit user --data.max_rows_per_user 4": (
         "tests/privacy/test_user_level.py (these flags on the quickstart, 200 rows: the 20,000 rows' steps take ~25 s)"
     ),
 }
-"""Offline commands of the docs run elsewhere (each audit trains with canaries; user-level steps are slow here).
+"""Offline commands of the docs run elsewhere (each fit here costs seconds: audits train with canaries, user-level
+steps are slow, the clip modes run on 200 rows there); each is still parsed here (``--print_config``).
 
 The value names the test that runs them."""
 
@@ -132,6 +138,14 @@ def test_every_offline_command_of_the_docs_is_run_here_or_named_where_it_is_run(
     found = offline_commands()
     assert found - walked - set(NOT_RUN) == set(), "an offline command of the docs that no test runs"
     assert (walked | set(NOT_RUN)) - found == set(), "a command the docs no longer give"
+
+
+@pytest.mark.parametrize("command", sorted(NOT_RUN))
+def test_the_offline_commands_run_elsewhere_parse_as_written(command: str, tmp_path: Path) -> None:
+    """Every flag of the command exists and takes its value (the config is read, nothing is trained)."""
+    (tmp_path / "configs").symlink_to(REPOSITORY / "configs")
+    result = run_dplit_in_process(*shlex.split(command)[1:], "--print_config", cwd=tmp_path)
+    assert result.returncode == 0 and "dplit: error:" not in result.stderr, result.stdout + result.stderr
 
 
 @pytest.mark.slow
