@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import time
@@ -12,7 +14,13 @@ import torch
 
 from dplit.cli.run_summary import PREEMPTED_EXIT, privacy_spent
 from tests.helpers.commands import CONFIGS, quickstart_args, steps
-from tests.helpers.executable import dplit_executable, refusal_line, run_dplit_in_process, user_environment
+from tests.helpers.executable import (
+    dplit_executable,
+    popen_receiving_ctrl_c,
+    refusal_line,
+    run_dplit_in_process,
+    user_environment,
+)
 
 
 def quickstart(run: Path, *extra: str) -> list[str]:
@@ -32,6 +40,44 @@ def preempt(command: list[str], run: Path) -> tuple[int, str]:
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=300)
     return process.returncode, output
+
+
+TWO_PROCESSES = ("--trainer.devices", "2", "--data.synthetic_train_size", "4000", "--data.batch_size", "100",
+                 "--trainer.max_epochs", "20")  # fmt: skip
+"""A 2-process data-parallel run (gloo) long enough to be signalled in the middle of its steps."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_of_two_processes_stops_every_rank_and_saves_the_steps(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Issue 50 §2: SIGINT to rank 0 alone hung (rank 1 waited in a collective); SIGTERM saved no checkpoint."""
+    process = popen_receiving_ctrl_c(
+        quickstart(tmp_path, *TWO_PROCESSES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=user_environment(),
+    )  # fmt: skip
+    started = time.monotonic()
+    while not list(tmp_path.rglob("privacy_ledger.json")) and process.poll() is None and time.monotonic() - started < 300:
+        time.sleep(0.2)
+    time.sleep(3)  # a few DP steps
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False).stdout
+    process.send_signal(signum)
+    try:
+        output, _ = process.communicate(timeout=60)
+    finally:
+        for pid in [process.pid, *map(int, workers.split())]:  # a hung run must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    saved = list(tmp_path.rglob("interrupted.ckpt"))
+    assert len(saved) == 1 and "Traceback" not in output, output
+    assert f"saved {saved[0]} with the privacy ledger" in output, output
+    assert process.returncode == (PREEMPTED_EXIT if signum == signal.SIGTERM else 1), output
+    time.sleep(2)
+    alive = [pid for pid in workers.split() if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"rank 1 still running: {alive}"
+    taken = int(torch.load(saved[0], map_location="cpu", weights_only=True)["global_step"])
+    assert taken >= 1
 
 
 @pytest.mark.slow
