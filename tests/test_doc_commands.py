@@ -43,13 +43,14 @@ WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         (RESUME_LAST, SHORT),
         (MEMORY, SHORT),  # memory.md's offline variant
     ],
-    # the tutorial's step 5, language-model.md and generate.md (its export is of the LM run, version_0 here)
+    # the tutorial's step 5, language-model.md, then generate.md (its LM run in its own folder)
     "language model": [
         ("dplit lm fit --config configs/lm_quickstart.yaml", SHORT),
         ("dplit lm validate --config configs/lm_quickstart.yaml", ()),
-        (EXPORT, ()),
+        ("dplit lm fit --config configs/lm_quickstart.yaml --trainer.default_root_dir lm_run", SHORT),
+        ("dplit export --ckpt_path lm_run/lightning_logs/version_0/checkpoints/last.ckpt --output_dir my-private-lm", ()),
         (
-            "dplit lm generate --model my-private-model --prompts_file prompts.jsonl --num_samples 100 "
+            "dplit lm generate --model my-private-lm --prompts_file prompts.jsonl --num_samples 100 "
             "--output_file synthetic.jsonl",
             ("--num_samples", "2", "--max_new_tokens", "4"),
         ),
@@ -58,7 +59,7 @@ WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 """Each walkthrough runs in its own folder: (the command as the docs give it, the overrides appended to it)."""
 
 PROMPTS = '{"prompt": "The movie was"}\n{"prompt": "I found it"}\n'
-"""``prompts.jsonl``, which generate.md asks the reader to write (public control prompts)."""
+"""``prompts.jsonl`` as generate.md's ``printf`` writes it (public control prompts)."""
 
 NOT_RUN = {
     "dplit audit --config configs/quickstart.yaml --audit.canaries 1000": "tests/audit/test_audit.py",
@@ -131,6 +132,12 @@ def test_no_shell_block_continues_a_line_after_a_comment() -> None:
         if re.search(r"\\\s+#", line)
     ]
     assert broken == []
+
+
+def test_the_prompts_file_is_the_one_generate_md_writes() -> None:
+    text = (REPOSITORY / "docs" / "how-to" / "generate.md").read_text()
+    printf = next(line for line in shell_lines(text) if line.startswith("printf "))
+    assert shlex.split(printf)[1].replace("\\n", "\n") == PROMPTS and printf.endswith("> prompts.jsonl")
 
 
 def test_every_offline_command_of_the_docs_is_run_here_or_named_where_it_is_run() -> None:
