@@ -48,7 +48,10 @@ WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("dplit lm fit --config configs/lm_quickstart.yaml", SHORT),
         ("dplit lm validate --config configs/lm_quickstart.yaml", ()),
         ("dplit lm fit --config configs/lm_quickstart.yaml --trainer.default_root_dir lm_run", SHORT),
-        ("dplit export --ckpt_path lm_run/lightning_logs/version_0/checkpoints/last.ckpt --output_dir my-private-lm", ()),
+        (
+            "dplit export --ckpt_path lm_run/lightning_logs/version_0/checkpoints/last.ckpt --output_dir my-private-lm",
+            (),
+        ),
         (
             "dplit lm generate --model my-private-lm --prompts_file prompts.jsonl --num_samples 100 "
             "--output_file synthetic.jsonl",
