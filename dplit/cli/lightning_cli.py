@@ -30,6 +30,7 @@ from dplit.cli.run_summary import (
     PREEMPTED_EXIT,
     find_last_checkpoint,
     nothing_trained,
+    peer_stopped_line,
     resume_hint,
     run_summary,
 )
@@ -125,6 +126,12 @@ class DPLitCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
             raise SystemExit(PREEMPTED_EXIT) from None
+        except RuntimeError as error:
+            line = peer_stopped_line(self.trainer, error)
+            if line is None:
+                raise
+            print(line, file=sys.stderr)
+            raise SystemExit(1) from None
         strategy = self.trainer.strategy
         self._took_no_step = isinstance(strategy, DPSGDHooks) and strategy.start_without_steps()
 

@@ -17,6 +17,21 @@ PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""
 
 
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's collectives raise on a rank whose peer process stopped (interrupted alone, or crashed)."""
+
+
+def peer_stopped_line(trainer: Trainer, error: BaseException) -> str | None:
+    """The line for a rank whose collective failed because another rank's process stopped (``None``: not that)."""
+    if trainer.world_size < 2 or not isinstance(error, RuntimeError) or not any(s in str(error) for s in PEER_GONE):
+        return None
+    return (
+        f"dplit: stopped: another process of this {trainer.world_size}-process run stopped (interrupted alone, or "
+        "crashed) during a step, so this one could not go on; no checkpoint was saved, privacy_ledger.json counts "
+        "every step: rerun the same command with --ckpt_path last to continue from the newest checkpoint"
+    )
+
+
 def resume_hint(trainer: Trainer) -> str:
     """How to resume a run that SIGTERM stopped: the ``--ckpt_path`` of the ``interrupted.ckpt`` it saved."""
     saved = [path for path in checkpoint_folders(trainer) if (path / INTERRUPT_CHECKPOINT).is_file()]

@@ -47,37 +47,50 @@ TWO_PROCESSES = ("--trainer.devices", "2", "--data.synthetic_train_size", "4000"
 """A 2-process data-parallel run (gloo) long enough to be signalled in the middle of its steps."""
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_launcher_of_two_processes_stops_every_rank_and_saves_the_steps(
-    tmp_path: Path, signum: signal.Signals
-) -> None:
-    """Issue 50 §2: SIGINT to rank 0 alone hung (rank 1 waited in a collective); SIGTERM saved no checkpoint."""
+def signal_two_processes(run: Path, signum: signal.Signals, *, worker: bool) -> tuple[int, str, list[str]]:
+    """Start a 2-process run, signal its launcher (or its worker) a few DP steps in; (exit code, output, ranks alive)."""
     process = popen_receiving_ctrl_c(
-        quickstart(tmp_path, *TWO_PROCESSES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        quickstart(run, *TWO_PROCESSES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=user_environment(),
     )  # fmt: skip
     started = time.monotonic()
-    while not list(tmp_path.rglob("privacy_ledger.json")) and process.poll() is None and time.monotonic() - started < 300:
+    while not list(run.rglob("privacy_ledger.json")) and process.poll() is None and time.monotonic() - started < 300:
         time.sleep(0.2)
     time.sleep(3)  # a few DP steps
     workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True, check=False).stdout
-    process.send_signal(signum)
+    os.kill(int(workers.split()[0]) if worker else process.pid, signum)
     try:
         output, _ = process.communicate(timeout=60)
     finally:
         for pid in [process.pid, *map(int, workers.split())]:  # a hung run must not outlive the test
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    time.sleep(2)
+    return process.returncode, output, [pid for pid in workers.split() if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_of_two_processes_stops_every_rank_and_saves_the_steps(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """Issue 50 §2: SIGINT to rank 0 alone hung (rank 1 waited in a collective); SIGTERM saved no checkpoint."""
+    code, output, alive = signal_two_processes(tmp_path, signum, worker=False)
     saved = list(tmp_path.rglob("interrupted.ckpt"))
     assert len(saved) == 1 and "Traceback" not in output, output
     assert f"saved {saved[0]} with the privacy ledger" in output, output
-    assert process.returncode == (PREEMPTED_EXIT if signum == signal.SIGTERM else 1), output
-    time.sleep(2)
-    alive = [pid for pid in workers.split() if Path(f"/proc/{pid}").exists()]
+    assert code == (PREEMPTED_EXIT if signum == signal.SIGTERM else 1), output
     assert not alive, f"rank 1 still running: {alive}"
-    taken = int(torch.load(saved[0], map_location="cpu", weights_only=True)["global_step"])
-    assert taken >= 1
+    assert int(torch.load(saved[0], map_location="cpu", weights_only=True)["global_step"]) >= 1
+
+
+@pytest.mark.slow
+def test_an_interrupt_of_the_worker_alone_stops_the_launcher_in_one_line(tmp_path: Path) -> None:
+    """Rank 0's collective fails when rank 1 stops: one line saying why and how to go on, no traceback, no hang."""
+    code, output, alive = signal_two_processes(tmp_path, signal.SIGINT, worker=True)
+    stopped = [line for line in output.splitlines() if line.startswith("dplit: stopped: another process")]
+    assert code == 1 and len(stopped) == 1 and "Traceback" not in output, output
+    assert "--ckpt_path last" in stopped[0] and list(tmp_path.rglob("privacy_ledger.json")) and not alive
 
 
 @pytest.mark.slow
