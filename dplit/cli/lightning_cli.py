@@ -27,6 +27,7 @@ from dplit.cli.config_checks import (
 )
 from dplit.cli.messages import essential_error
 from dplit.cli.run_summary import (
+    INTERRUPTED_EXIT,
     PREEMPTED_EXIT,
     find_last_checkpoint,
     nothing_trained,
@@ -117,6 +118,9 @@ class DPLitCLI(LightningCLI):
     def fit(self, **kwargs: Any) -> None:
         """``trainer.fit``; stopped by SIGTERM (a scheduler preempting the job), exit 143 saying how to resume.
 
+        Stopped by Ctrl-C, exit 130 (128 + SIGINT, as a shell reports it; Lightning exits 1). A rank whose step fails
+        because another rank's process stopped ends in one line (exit 1).
+
         Lightning ends a run on SIGTERM with its ``SIGTERMException``, a ``SystemExit`` with status 0: the scheduler
         would record a preempted job as a success.
         """
@@ -126,6 +130,10 @@ class DPLitCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
             raise SystemExit(PREEMPTED_EXIT) from None
+        except SystemExit as stop:
+            if stop.code == 1 and self.trainer.interrupted:  # Lightning's own exit after Ctrl-C (KeyboardInterrupt)
+                raise SystemExit(INTERRUPTED_EXIT) from None
+            raise
         except RuntimeError as error:
             line = peer_stopped_line(self.trainer, error)
             if line is None:

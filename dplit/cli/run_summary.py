@@ -15,6 +15,8 @@ from dplit.strategy_hooks import DPSGDHooks
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+"""The exit status of a run stopped by Ctrl-C (SIGINT), as a shell reports it (Lightning itself exits 1)."""
 
 
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
