@@ -78,7 +78,7 @@ def nothing_trained(trainer: Trainer) -> str:
     else:
         reached = f"trainer.max_epochs={epochs}"
     return (
-        f"nothing to train: the checkpoint is at step {trainer.global_step} (epoch {trainer.current_epoch}), where "
+        f"nothing to train: the run is at step {trainer.global_step} (epoch {trainer.current_epoch}), where "
         f"{reached} ends the plan; to train further, rerun with a larger {reached.split('=')[0]}"
     )
 
