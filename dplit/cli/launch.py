@@ -49,6 +49,22 @@ def inherited_message(names: list[str]) -> str:
     )
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity: ``taskset``, a container's CPU set), else all of them."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def oversubscription_message(processes: int, cores: int) -> str | None:
+    """The warning for more CPU training processes than cores (``None``: they fit)."""
+    if processes <= cores:
+        return None
+    return (
+        f"trainer.devices={processes} starts {processes} training processes on {cores} CPU core(s): they take turns "
+        f"on the cores, so each step is slower than with trainer.devices={cores} (the guarantee is the same)"
+    )
+
+
 def process_group_initialized() -> bool:
     """Whether a default torch.distributed process group exists in this process now."""
     return dist.is_available() and dist.is_initialized()

@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -25,6 +26,7 @@ from dplit.cli.config_checks import (
     check_privacy_choice,
     names_a_local_file,
 )
+from dplit.cli.launch import available_cores, oversubscription_message
 from dplit.cli.messages import essential_error
 from dplit.cli.run_summary import (
     INTERRUPTED_EXIT,
@@ -109,8 +111,12 @@ class DPLitCLI(LightningCLI):
             check_checkpoint_settings(given, self.config[subcommand]["model"])
 
     def before_fit(self) -> None:
-        """Resolve ``--ckpt_path last`` and record in the logged hyperparameters whether the run is private."""
+        """Resolve ``--ckpt_path last``, warn of more CPU processes than cores, and log whether the run is private."""
         self._resolve_last_checkpoint()
+        if isinstance(self.trainer.accelerator, CPUAccelerator):
+            crowded = oversubscription_message(self.trainer.num_devices, available_cores())
+            if crowded is not None:
+                rank_zero_warn(crowded)
         non_private = bool(self.config_init[self.subcommand].get("non_private"))
         for logger in self.trainer.loggers:
             logger.log_hyperparams({"non_private": non_private})
