@@ -43,9 +43,8 @@ WALKTHROUGHS: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         (RESUME_LAST, SHORT),
         (MEMORY, SHORT),  # memory.md's offline variant
     ],
-    # the tutorial's step 5, language-model.md, then generate.md (its LM run in its own folder)
+    # the tutorial's step 5 and language-model.md (their fit is generate.md's, in its own folder), generate.md
     "language model": [
-        ("dplit lm fit --config configs/lm_quickstart.yaml", SHORT),
         ("dplit lm validate --config configs/lm_quickstart.yaml", ()),
         ("dplit lm fit --config configs/lm_quickstart.yaml --trainer.default_root_dir lm_run", SHORT),
         (
@@ -68,6 +67,7 @@ NOT_RUN = {
     "dplit audit --config configs/quickstart.yaml --audit.canaries 1000": "tests/audit/test_audit.py",
     "dplit audit --config configs/quickstart.yaml --audit.mode black_box": "tests/audit/test_audit.py",
     "dplit lm audit --config configs/lm_quickstart.yaml": "tests/audit/test_audit.py (test_lm_audit_on_a_tiny_llama)",
+    "dplit lm fit --config configs/lm_quickstart.yaml": "here, as generate.md's with --trainer.default_root_dir",
     f"{CLIP_MODE} quantile": "tests/cli/test_terminal.py (test_the_start_up_line_names_the_clip_mode_and_the_unit)",
     f"{CLIP_MODE} automatic": "tests/cli/test_terminal.py (test_the_start_up_line_names_the_clip_mode_and_the_unit)",
     "dplit fit --config configs/quickstart.yaml --data.privacy_unit user --data.max_rows_per_user 4": (
