@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 
 LAUNCH_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
@@ -63,6 +65,24 @@ def oversubscription_message(processes: int, cores: int) -> str | None:
         f"trainer.devices={processes} starts {processes} training processes on {cores} CPU core(s): they take turns "
         f"on the cores, so each step is slower than with trainer.devices={cores} (the guarantee is the same)"
     )
+
+
+def sigterm_without_collective(trainer: Trainer) -> None:
+    """Make ``trainer``'s SIGTERM handler issue no collective (Lightning's broadcasts from inside the handler).
+
+    A signal handler runs between whatever collectives its rank is issuing at that moment, so the ranks'
+    in-handler broadcasts can pair with other collectives (FSDP2 issues many per step) and a sharded run preempted by
+    SIGTERM hung. Lightning's training loop broadcasts rank 0's SIGTERM flag before every batch anyway, so every rank
+    still stops at the same batch; the handler only records the signal and forwards it to the ranks it launched.
+    """
+    connector = trainer._signal_connector
+
+    def notify(signum: int, frame: FrameType | None) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = notify
 
 
 def process_group_initialized() -> bool:

@@ -26,7 +26,7 @@ from dplit.cli.config_checks import (
     check_privacy_choice,
     names_a_local_file,
 )
-from dplit.cli.launch import available_cores, oversubscription_message
+from dplit.cli.launch import available_cores, oversubscription_message, sigterm_without_collective
 from dplit.cli.messages import essential_error
 from dplit.cli.run_summary import (
     INTERRUPTED_EXIT,
@@ -187,14 +187,16 @@ class DPLitCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Lightning's trainer, with dplit's default progress bar and model summary.
+        """Lightning's trainer, with dplit's default progress bar and model summary, and a quieter SIGTERM handler.
 
         The default progress bar loses ``v_num`` and the default summary its FLOPs column of zeros; a progress bar or
-        summary the user configured is kept as it is.
+        summary the user configured is kept as it is. The SIGTERM handler issues no collective
+        (:func:`dplit.cli.launch.sigterm_without_collective`).
         """
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init  # dplit audit: none
         configured = list(config.get("trainer", {}).get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults
+        sigterm_without_collective(trainer)
         if not any(isinstance(callback, ProgressBar) for callback in configured):
             use_quiet_progress_bar(trainer)
         if not any(isinstance(callback, ModelSummary) for callback in configured):

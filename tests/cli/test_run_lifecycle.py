@@ -47,10 +47,17 @@ TWO_PROCESSES = ("--trainer.devices", "2", "--data.synthetic_train_size", "4000"
 """A 2-process data-parallel run (gloo) long enough to be signalled in the middle of its steps."""
 
 
-def signal_two_processes(run: Path, signum: signal.Signals, *, worker: bool) -> tuple[int, str, list[str]]:
+SHARDED = ("--trainer.strategy.class_path", "dplit.strategy.ShardedDPStrategy",
+           "--trainer.strategy.init_args.process_group_backend", "gloo")  # fmt: skip
+"""The same run with FSDP2 (ShardedDPStrategy) on gloo."""
+
+
+def signal_two_processes(
+    run: Path, signum: signal.Signals, *extra: str, worker: bool = False
+) -> tuple[int, str, list[str]]:  # fmt: skip
     """Start a 2-process run, signal its launcher (or its worker) a few DP steps in; (exit code, output, ranks alive)."""
     process = popen_receiving_ctrl_c(
-        quickstart(run, *TWO_PROCESSES), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        quickstart(run, *TWO_PROCESSES, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=user_environment(),
     )  # fmt: skip
     started = time.monotonic()
@@ -70,15 +77,20 @@ def signal_two_processes(run: Path, signum: signal.Signals, *, worker: bool) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    ("signum", "strategy"),
+    [(signal.SIGINT, ()), (signal.SIGTERM, ()), (signal.SIGTERM, SHARDED)],
+    ids=["SIGINT", "SIGTERM", "SIGTERM-sharded"],
+)
 def test_a_signal_to_the_launcher_of_two_processes_stops_every_rank_and_saves_the_steps(
-    tmp_path: Path, signum: signal.Signals
+    tmp_path: Path, signum: signal.Signals, strategy: tuple[str, ...]
 ) -> None:
     """Issue 50 §2: SIGINT to rank 0 alone hung (rank 1 waited in a collective); SIGTERM saved no checkpoint.
 
-    Ctrl-C exits 130 (128 + SIGINT) as the shell reports it, not Lightning's 1.
+    Ctrl-C exits 130 (128 + SIGINT) as the shell reports it, not Lightning's 1. A sharded run preempted by SIGTERM
+    hung in 2 of 3 tries (Lightning's handler broadcast from inside the signal handler).
     """
-    code, output, alive = signal_two_processes(tmp_path, signum, worker=False)
+    code, output, alive = signal_two_processes(tmp_path, signum, *strategy)
     saved = list(tmp_path.rglob("interrupted.ckpt"))
     assert len(saved) == 1 and "Traceback" not in output, output
     assert f"saved {saved[0]} with the privacy ledger" in output, output
