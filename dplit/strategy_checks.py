@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -76,3 +78,22 @@ def check_module(module: LightningModule) -> None:
         )
     if not module.automatic_optimization:
         raise ValueError("DPStrategy replaces the optimizer step: use automatic optimization")
+
+
+def check_same_privacy_unit(restored: dict[str, Any] | None, current: dict[str, Any]) -> None:
+    """Refuse a resume that changes ``data.privacy_unit``: the checkpoint's ε counts another unit (one line).
+
+    Args:
+        restored: the checkpoint's ledger state (``None``: a fresh run); its ``dataset_size`` counts its unit.
+        current: this run's DP-SGD facts (``privacy_unit``).
+    """
+    before, now = (restored or {}).get("privacy_unit"), current.get("privacy_unit")
+    if before is None or before == now:
+        return
+    size = (restored or {}).get("dataset_size")
+    counted = f" ({size:,} {'users' if before == 'user' else 'rows'})" if isinstance(size, int) else ""
+    raise ValueError(
+        f"data.privacy_unit={now!r} differs from the checkpoint's run, which protected each {before}{counted}: its ε "
+        f"cannot continue under another unit; resume with data.privacy_unit={before} (and the same data and user "
+        "settings), or start a new run from the exported model"
+    )

@@ -32,7 +32,7 @@ from dplit.privacy.refusal import SettingError
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.world import World
 from dplit.step_logging import log_clipping, log_spend
-from dplit.strategy_checks import check_module, check_trainer
+from dplit.strategy_checks import check_module, check_same_privacy_unit, check_trainer
 
 UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
 """What TensorBoard's hyperparameters show as ``privacy/*``: the privacy unit's public counts and the clipping mode's
@@ -164,10 +164,27 @@ class DPSGDHooks:
     def on_train_start(self) -> None:
         """Start the DP-SGD run (σ, δ, ledger, budget); stop at once if the budget is already spent."""
         super().on_train_start()  # type: ignore[misc]
+        self._start_run()
+
+    def start_without_steps(self) -> bool:
+        """Check and record a fit whose loop Lightning skipped (a resume whose plan is done); ``False``: none skipped.
+
+        Lightning calls no ``on_train_start`` when its plan is already done, so without this the resume would check
+        nothing (N, δ, the ranks' rows), write no ledger and report no ε. Called by the CLI once ``trainer.fit`` returns.
+        """
+        if self._dpsgd is None or self._dpsgd.accountant is not None or self._dpsgd.sample_rate is None:
+            return False
+        self._start_run()
+        self._dpsgd.finish()
+        return True
+
+    def _start_run(self) -> None:
+        """Start DP-SGD for the trainer's plan: the checks, σ, the ledger, the budget (``on_train_start``'s work)."""
         trainer = self.lightning_module.trainer
         if self.dpsgd.sample_rate is None:
             raise RuntimeError(f"{type(self).__name__} did not see the training dataloader")
         log_dir = trainer.log_dir  # a collective: every rank asks, rank 0 writes
+        check_same_privacy_unit(self._restored, self.dpsgd.facts())
         with self.naming_refusals():
             spent = self.dpsgd.start(
                 planned_steps=trainer.estimated_stepping_batches, steps_done=trainer.global_step, log_dir=log_dir,

@@ -78,11 +78,27 @@ class AuditSettings:
             raise ValueError(f"audit.analysis must be one of {', '.join(ANALYSES)}, got {analysis!r}")
         if not is_finite_number(confidence, above=0, below=1):
             raise ValueError(f"audit.confidence must be in (0, 1), got {confidence!r}")
+        _check_power(canaries, float(confidence))
         self.canaries = canaries
         self.mode = mode
         self.analysis = analysis
         self.confidence = float(confidence)
         self.seed = seed if seed is not None else secrets.randbits(31)
+
+
+def _check_power(canaries: int, confidence: float) -> None:
+    """Refuse a canary count whose every guess right could still be chance at ``confidence``: no claim is refutable.
+
+    Guessing m canaries' membership at random gets all of them right with probability 2^-m; while that is at least
+    1 − confidence, no outcome rejects even ε = 0, so the audit would end "not refuted" whatever the mechanism does.
+    """
+    if 2.0**-canaries >= 1 - confidence:
+        least = math.floor(math.log2(1 / (1 - confidence))) + 1
+        raise ValueError(
+            f"audit.canaries={canaries} cannot refute any claim at {100 * confidence:g}% confidence: all {canaries} "
+            f"guesses right happen by chance with probability 2^-{canaries} = {2.0**-canaries:.3g}; use at least "
+            f"{least} (the default 1000; thousands to refute an ε of several units)"
+        )
 
 
 class AuditArguments:
@@ -193,10 +209,17 @@ def verdict(report: dict[str, Any]) -> list[str]:
         f"own curve {'IS' if report['claimed_curve_refuted'] else 'is not'} refuted; a correct run is expected to show "
         f"μ ≈ {plan['expected_mu']:.3f} (ε ≈ {plan['expected_epsilon']:.3f}"
         f"{', to a white-box auditor' if report['mode'] == 'black_box' else ''}); these guesses could show at most "
-        f"μ = {plan['ceiling_mu']:.3f} (ε = {plan['ceiling_epsilon']:.3f}); (ε, δ) analysis: "
+        f"μ = {plan['ceiling_mu']:.3f} (ε = {plan['ceiling_epsilon']:.3f}{_powerless(plan, claimed)}); (ε, δ) analysis: "
         f"ε ≥ {report['eps_delta']['epsilon']:.3f}",
     ]
     return lines + [check["line"] for check in report["checks"]]
+
+
+def _powerless(plan: dict[str, Any], claimed: float | None) -> str:
+    """``", below the claimed ε: no outcome could refute it"`` when the guesses' ceiling is under the claim."""
+    if claimed is not None and plan["ceiling_epsilon"] < claimed:
+        return ", below the claimed ε: no outcome of this audit could refute it (more canaries would)"
+    return ""
 
 
 def run_audit(

@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from dplit.backbone.quantization import keep_weights_as_loaded
+from dplit.backbone.quantization import announce_quantized_base, keep_weights_as_loaded
 from dplit.numbers import is_finite_number
 
 DROPOUT_SETTINGS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout", "hidden_dropout", "dropout")
@@ -261,6 +261,8 @@ def _pretrained_model(
         pretrained, config=config, attn_implementation=attn_implementation, dtype=torch.float32, **source
     )
     keep_weights_as_loaded(model)
+    if quantization is not None:
+        announce_quantized_base(quantization, pretrained)
     return model.train()  # from_pretrained returns eval mode; Lightning switches modes from here
 
 
@@ -291,8 +293,20 @@ def check_gguf_file(folder: str, gguf_file: str, flag_prefix: str) -> None:
 
 
 def unloadable_message(name: str, flag: str, error: Exception, what: str = "model") -> str:
-    """The message for a checkpoint (``what``: or a dataset) that neither exists as a folder nor loads from the hub."""
-    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+    """The message for a checkpoint (``what``: or a dataset) that neither exists as a folder nor loads from the hub.
+
+    A file given where the folder is expected is named as a file (a GGUF file: with the flags that load it).
+    """
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            side = flag.split(".")[0]
+            return (
+                f"{flag}={name!r}: is a GGUF file, expected its folder; set {flag}={str(path.parent)!r} and "
+                f"{side}.gguf_file={path.name!r} (data.tokenizer and data.gguf_file the same)"
+            )
+        return f"{flag}={name!r}: is a file, expected a {what} folder"
+    if path.exists() or name.startswith((".", "/", "~")):
         folder = "is not a model folder (no config.json)" if what == "model" else f"is not a {what} folder"
         where = folder if Path(name).is_dir() else "does not exist"
         return f"{flag}={name!r}: the folder {where}"

@@ -14,9 +14,11 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import inspect
+import logging
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from transformers import BitsAndBytesConfig
 
@@ -49,6 +51,41 @@ def quantization_config(settings: dict[str, Any]) -> BitsAndBytesConfig:
     _check_choice(settings, "bnb_4bit_quant_type", QUANT_TYPES)
     _check_choice(settings, "bnb_4bit_compute_dtype", COMPUTE_DTYPES)
     return BitsAndBytesConfig(**settings)
+
+
+PER_CALL_LOGGERS = ("bitsandbytes.autograd._functions", "bitsandbytes.nn.modules")
+"""bitsandbytes' loggers that repeat a warning on every quantised layer's every call (the 8-bit input cast: 16 lines
+in 2 steps of a tiny model); each of their messages is shown once per process."""
+
+
+class FirstOfEachMessage(logging.Filter):
+    """Let through the first record of each message template, and drop its repeats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is the first of its template (``record.msg``, before its arguments)."""
+        template = str(record.msg)
+        if template in self._seen:
+            return False
+        self._seen.add(template)
+        return True
+
+
+def announce_quantized_base(config: BitsAndBytesConfig, pretrained: str) -> None:
+    """Say that ``model.pretrained`` is loaded quantised (frozen); show bitsandbytes' per-call warnings once."""
+    if config.load_in_8bit:
+        kind = "8-bit (LLM.int8)"
+    else:
+        compute = str(config.bnb_4bit_compute_dtype).removeprefix("torch.")
+        kind = f"4-bit {config.bnb_4bit_quant_type}, compute {compute}"
+    rank_zero_info(f"{FLAG}: model.pretrained={pretrained!r} is loaded as a bitsandbytes {kind} base, frozen")
+    for name in PER_CALL_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, FirstOfEachMessage) for existing in logger.filters):
+            logger.addFilter(FirstOfEachMessage())
 
 
 def _check_choice(settings: dict[str, Any], key: str, choices: tuple[str, ...]) -> None:

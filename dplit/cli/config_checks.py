@@ -206,6 +206,8 @@ def settings_replaced(given: Namespace, saved: Namespace) -> list[tuple[str, Any
 def check_gguf_files(config: Any) -> None:
     """Refuse a tokenizer and a model taken from different GGUF files (Lightning would also stop on the clash)."""
     model, data = config["model"].get("gguf_file"), config["data"].get("gguf_file")
+    if model is not None and config["model"].get("pretrained") is None:
+        raise ValueError(f"model.gguf_file={model!r} needs model.pretrained: the folder holding the GGUF file")
     if model != data:
         raise ValueError(
             f"model.gguf_file={model!r} and data.gguf_file={data!r} differ: the tokenizer must come from the "

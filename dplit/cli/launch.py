@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 
 import torch.distributed as dist
+from lightning.pytorch import Trainer
 
 LAUNCH_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
@@ -47,6 +49,40 @@ def inherited_message(names: list[str]) -> str:
         f"ignoring {', '.join(names)}: inherited from the process that started dplit, not set by a launcher "
         "(torchrun, SLURM, MPI, LSF); set DPLIT_LAUNCHED=1 if you start the ranks of a multi-process run yourself"
     )
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity: ``taskset``, a container's CPU set), else all of them."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+
+
+def oversubscription_message(processes: int, cores: int) -> str | None:
+    """The warning for more CPU training processes than cores (``None``: they fit)."""
+    if processes <= cores:
+        return None
+    return (
+        f"trainer.devices={processes} starts {processes} training processes on {cores} CPU core(s): they take turns "
+        f"on the cores, so each step is slower than with trainer.devices={cores} (the guarantee is the same)"
+    )
+
+
+def sigterm_without_collective(trainer: Trainer) -> None:
+    """Make ``trainer``'s SIGTERM handler issue no collective (Lightning's broadcasts from inside the handler).
+
+    A signal handler runs between whatever collectives its rank is issuing at that moment, so the ranks'
+    in-handler broadcasts can pair with other collectives (FSDP2 issues many per step) and a sharded run preempted by
+    SIGTERM hung. Lightning's training loop broadcasts rank 0's SIGTERM flag before every batch anyway, so every rank
+    still stops at the same batch; the handler only records the signal and forwards it to the ranks it launched.
+    """
+    connector = trainer._signal_connector
+
+    def notify(signum: int, frame: FrameType | None) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = notify
 
 
 def process_group_initialized() -> bool:

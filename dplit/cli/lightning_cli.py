@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -25,12 +26,22 @@ from dplit.cli.config_checks import (
     check_privacy_choice,
     names_a_local_file,
 )
+from dplit.cli.launch import available_cores, oversubscription_message, sigterm_without_collective
 from dplit.cli.messages import essential_error
-from dplit.cli.run_summary import PREEMPTED_EXIT, find_last_checkpoint, resume_hint, run_summary
+from dplit.cli.run_summary import (
+    INTERRUPTED_EXIT,
+    PREEMPTED_EXIT,
+    find_last_checkpoint,
+    nothing_trained,
+    peer_stopped_line,
+    resume_hint,
+    run_summary,
+)
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.checkpoint import check_checkpoint_file
+from dplit.strategy_hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
 
@@ -100,14 +111,21 @@ class DPLitCLI(LightningCLI):
             check_checkpoint_settings(given, self.config[subcommand]["model"])
 
     def before_fit(self) -> None:
-        """Resolve ``--ckpt_path last`` and record in the logged hyperparameters whether the run is private."""
+        """Resolve ``--ckpt_path last``, warn of more CPU processes than cores, and log whether the run is private."""
         self._resolve_last_checkpoint()
+        if isinstance(self.trainer.accelerator, CPUAccelerator):
+            crowded = oversubscription_message(self.trainer.num_devices, available_cores())
+            if crowded is not None:
+                rank_zero_warn(crowded)
         non_private = bool(self.config_init[self.subcommand].get("non_private"))
         for logger in self.trainer.loggers:
             logger.log_hyperparams({"non_private": non_private})
 
     def fit(self, **kwargs: Any) -> None:
         """``trainer.fit``; stopped by SIGTERM (a scheduler preempting the job), exit 143 saying how to resume.
+
+        Stopped by Ctrl-C, exit 130 (128 + SIGINT, as a shell reports it; Lightning exits 1). A rank whose step fails
+        because another rank's process stopped ends in one line (exit 1).
 
         Lightning ends a run on SIGTERM with its ``SIGTERMException``, a ``SystemExit`` with status 0: the scheduler
         would record a preempted job as a success.
@@ -118,14 +136,30 @@ class DPLitCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(f"dplit: stopped by SIGTERM: {resume_hint(self.trainer)}", file=sys.stderr)
             raise SystemExit(PREEMPTED_EXIT) from None
+        except SystemExit as stop:
+            if stop.code == 1 and self.trainer.interrupted:  # Lightning's own exit after Ctrl-C (KeyboardInterrupt)
+                raise SystemExit(INTERRUPTED_EXIT) from None
+            raise
+        except RuntimeError as error:
+            line = peer_stopped_line(self.trainer, error)
+            if line is None:
+                raise
+            print(line, file=sys.stderr)
+            raise SystemExit(1) from None
+        strategy = self.trainer.strategy
+        self._took_no_step = isinstance(strategy, DPSGDHooks) and strategy.start_without_steps()
 
     def after_fit(self) -> None:
-        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent."""
+        """One line saying where the checkpoint, the privacy ledger and the TensorBoard logs are, and the ε spent.
+
+        A resume whose plan was already done says so instead of "done", with how to train further.
+        """
         if self.trainer.interrupted:
             return
         summary = run_summary(self.trainer)  # on every rank: trainer.log_dir is a collective under several processes
         if self.trainer.is_global_zero:
-            print(f"dplit: done: {summary}")
+            done = nothing_trained(self.trainer) if getattr(self, "_took_no_step", False) else "done"
+            print(f"dplit: {done}: {summary}")
 
     def before_validate(self) -> None:
         """Resolve ``--ckpt_path last``."""
@@ -153,14 +187,16 @@ class DPLitCLI(LightningCLI):
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Lightning's trainer, with dplit's default progress bar and model summary.
+        """Lightning's trainer, with dplit's default progress bar and model summary, and a quieter SIGTERM handler.
 
         The default progress bar loses ``v_num`` and the default summary its FLOPs column of zeros; a progress bar or
-        summary the user configured is kept as it is.
+        summary the user configured is kept as it is. The SIGTERM handler issues no collective
+        (:func:`dplit.cli.launch.sigterm_without_collective`).
         """
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init  # dplit audit: none
         configured = list(config.get("trainer", {}).get("callbacks") or [])
         trainer = super().instantiate_trainer(**kwargs)  # extends that very list with its defaults
+        sigterm_without_collective(trainer)
         if not any(isinstance(callback, ProgressBar) for callback in configured):
             use_quiet_progress_bar(trainer)
         if not any(isinstance(callback, ModelSummary) for callback in configured):

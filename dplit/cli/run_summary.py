@@ -16,6 +16,23 @@ from dplit.strategy_hooks import DPSGDHooks
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+"""The exit status of a run stopped by Ctrl-C (SIGINT), as a shell reports it (Lightning itself exits 1)."""
+
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+"""What gloo's collectives raise on a rank whose peer process stopped (interrupted alone, or crashed)."""
+
+
+def peer_stopped_line(trainer: Trainer, error: BaseException) -> str | None:
+    """The line for a rank whose collective failed because another rank's process stopped (``None``: not that)."""
+    if trainer.world_size < 2 or not isinstance(error, RuntimeError) or not any(s in str(error) for s in PEER_GONE):
+        return None
+    return (
+        f"dplit: stopped: another process of this {trainer.world_size}-process run stopped (interrupted alone, or "
+        "crashed) during a step, so this one could not go on; no checkpoint was saved, privacy_ledger.json counts "
+        "every step: rerun the same command with --ckpt_path last to continue from the newest checkpoint"
+    )
 
 
 def resume_hint(trainer: Trainer) -> str:
@@ -54,6 +71,19 @@ def find_last_checkpoint(trainer: Trainer) -> Path:
     return max(found, key=lambda path: path.stat().st_mtime)
 
 
+def nothing_trained(trainer: Trainer) -> str:
+    """Why a resumed fit took no step (its plan was already done), and how to train further."""
+    steps, epochs = trainer.max_steps, trainer.max_epochs
+    if steps is not None and steps != -1 and trainer.global_step >= steps:
+        reached = f"trainer.max_steps={steps}"
+    else:
+        reached = f"trainer.max_epochs={epochs}"
+    return (
+        f"nothing to train: the run is at step {trainer.global_step} (epoch {trainer.current_epoch}), where "
+        f"{reached} ends the plan; to train further, rerun with a larger {reached.split('=')[0]}"
+    )
+
+
 def run_summary(trainer: Trainer) -> str:
     """Where a finished ``fit`` left its checkpoint, ``privacy_ledger.json`` and TensorBoard logs, and its ε."""
     parts = []
@@ -77,9 +107,11 @@ def privacy_spent(strategy: Any) -> str:
     users. Where some did and others did not, ε is the per-example one that composes each segment under its own
     relation (a segment over users as replace-one), at the smallest of the segments' δ, as the exported card states.
     """
-    accountant = strategy.accountant if isinstance(strategy, DPSGDHooks) else None
-    if accountant is None:
+    if not isinstance(strategy, DPSGDHooks):
         return "NON-PRIVATE run: no ε, no differential privacy guarantee"
+    accountant = strategy.accountant
+    if accountant is None:  # DP-SGD never started: no step was taken, and a checkpoint's ε is its ledger's
+        return "no DP step taken (the ε of a resumed checkpoint is in its privacy_ledger.json)"
     segments = strategy.dpsgd.history.segments
     if mixed_units(segments):
         delta = smallest_delta(segments, accountant.delta)

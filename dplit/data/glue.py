@@ -21,6 +21,7 @@ from dplit.data.synthetic import build_synthetic_tokenizer, make_synthetic_split
 from dplit.data.tasks import TaskSpec, get_task
 from dplit.data.tokenizer import label_word_ids, load_tokenizer
 from dplit.data.users import (
+    check_several_users,
     check_user_settings,
     private_diagnostics_off,
     synthetic_users,
@@ -236,6 +237,7 @@ class GlueDataModule(LightningDataModule):
         if ids is None:  # the synthetic task: users of 1 to 8 consecutive rows
             ids = synthetic_users(len(texts), seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
         users = user_indices(ids)
+        check_several_users(users, source=texts.source, column=self.hparams.user_column)
         warn_dominant_user(users, source=texts.source, quiet=private_diagnostics_off(self))
         rank_zero_info(f"{self.task}: user-level DP over {max(users) + 1} users (at most "
                        f"{self.hparams.max_rows_per_user} rows of a user per step)")  # fmt: skip

@@ -27,6 +27,7 @@ from dplit.data.files import TextRows, check_data_file, read_rows, refusal
 from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
 from dplit.data.users import (
+    check_several_users,
     check_user_settings,
     private_diagnostics_off,
     synthetic_users,
@@ -256,6 +257,7 @@ class TextDataModule(LightningDataModule):
             count = len(rows.texts or rows.responses or [])
             ids = synthetic_users(count, seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
         users = user_indices(ids)
+        check_several_users(users, source=rows.source, column=self.hparams.user_column)
         warn_dominant_user(users, source=rows.source, quiet=private_diagnostics_off(self))
         return users
 

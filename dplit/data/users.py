@@ -34,6 +34,21 @@ def synthetic_users(rows: int, *, seed: int, most_rows: int) -> list[str]:
     return ids[:rows]
 
 
+def check_several_users(users: Sequence[int], *, source: str, column: str | None) -> None:
+    """Refuse user-level DP over a training set whose rows all belong to one user (the column names no owner).
+
+    With one user, N = 1: the default δ = N^-1.1 is 1 and no guarantee means anything, so the refusal names the
+    column rather than the δ it would otherwise trip over.
+    """
+    if users and max(users) == 0:
+        given = f"data.user_column={column!r}" if column is not None else "the user assignment"
+        raise ValueError(
+            f"{source}: {given} gives one user for all {len(users)} training rows: user-level DP over one user "
+            "protects nobody from anybody; name the column that says whose each row is, or use "
+            "data.privacy_unit=example"
+        )
+
+
 def warn_dominant_user(users: Sequence[int], *, source: str, quiet: bool = False) -> None:
     """Warn when one user owns more than :data:`DOMINANT_SHARE` of the rows (its share unless ``quiet``).
 
@@ -60,7 +75,11 @@ def private_diagnostics_off(datamodule: object) -> bool:
 
 
 def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per_user: int) -> None:
-    """Refuse, in one line naming the flag, a privacy unit dplit does not know, k ≤ 0, or a stray user column."""
+    """Refuse, in one line naming the flag, a privacy unit dplit does not know, k ≤ 0, or a stray user setting.
+
+    A user column or a ``max_rows_per_user`` other than 1 without ``privacy_unit: user`` would train example-level
+    DP without a word (a user with k rows is then protected at about k·ε): both are refused.
+    """
     if privacy_unit not in PRIVACY_UNITS:
         raise ValueError(f"data.privacy_unit must be one of {', '.join(PRIVACY_UNITS)}, got {privacy_unit!r}")
     if isinstance(max_rows_per_user, bool) or not isinstance(max_rows_per_user, int) or max_rows_per_user < 1:
@@ -69,4 +88,9 @@ def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per
         raise ValueError(
             f"data.user_column={user_column!r} is set but data.privacy_unit={privacy_unit!r}: set "
             "data.privacy_unit=user for user-level DP (or drop data.user_column)"
+        )
+    if max_rows_per_user != 1 and privacy_unit != "user":
+        raise ValueError(
+            f"data.max_rows_per_user={max_rows_per_user} is set but data.privacy_unit={privacy_unit!r}: set "
+            "data.privacy_unit=user for user-level DP (or drop data.max_rows_per_user)"
         )

@@ -77,10 +77,21 @@ def ledger_facts(
 
 def start_line(
     settings: DPSGDSettings, *, sigma: float, sample_rate: float, expected: float, delta: float, steps: int,
-    noise: NoiseSource,
+    noise: NoiseSource, users: bool,
 ) -> str:  # fmt: skip
-    """The one line a DP-SGD run starts with: σ, C, q, the expected batch, δ, the engine, steps so far, the noise."""
+    """The line a DP-SGD run starts with: σ, C and its mode, q, the expected batch in its unit, δ, engine, noise."""
+    unit = "users" if users else "examples"
     return (
-        f"DP-SGD: σ={sigma:.4f}, C={settings.max_grad_norm}, q={sample_rate:.3g}, expected batch {expected:.1f}, "
+        f"DP-SGD: σ={sigma:.4f}, {_clip_text(settings)}, q={sample_rate:.3g}, expected batch {expected:.1f} {unit}, "
         f"δ={delta:.3g}, clipping={settings.clipping}, steps so far {steps}, noise {noise.describe()}"
     )
+
+
+def _clip_text(settings: DPSGDSettings) -> str:
+    """The start-up line's clipping: ``C=1.0 (clip_mode fixed)``, ``C_0=1.0 (clip_mode quantile: ...)`` or automatic."""
+    bound, mode = settings.max_grad_norm, settings.clip_mode
+    if mode == "quantile":
+        return f"C_0={bound} (clip_mode quantile: C follows a quantile of the norms)"
+    if mode == "automatic":
+        return f"C={bound} (clip_mode automatic: a scale, not a bound)"
+    return f"C={bound} (clip_mode fixed)"

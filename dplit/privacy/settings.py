@@ -41,7 +41,8 @@ class DPSGDSettings:
     """Quantile mode: γ in (0, 1), the share of examples to leave unclipped (default 0.5)."""
 
     clip_learning_rate: float | None = None
-    """Quantile mode: η > 0, the geometric step of C's update (default 0.2, as Andrew et al.)."""
+    """Quantile mode: η in (0, 5], the geometric step of C's update (default 0.2, as Andrew et al.); one update moves
+    C by up to a factor e^η, so a larger η would under- or overflow C within a few steps."""
 
     count_noise_multiplier: float | None = None
     """Quantile mode: σ_b > 0, the noise std of the unclipped count, in examples (default: expected batch / 20,
@@ -154,9 +155,16 @@ class DPSGDSettings:
         for field in ("clip_learning_rate", "count_noise_multiplier", "automatic_stability"):
             if getattr(self, field) is not None:
                 require_finite(field, getattr(self, field), above=0.0, owner=self.flag_owner)
+        if self.clip_learning_rate is not None and self.clip_learning_rate > CLIP_LEARNING_RATE_MAX:
+            raise ValueError(
+                f"{self.flag_owner}.clip_learning_rate={self.clip_learning_rate} is above {CLIP_LEARNING_RATE_MAX}: one "
+                "update moves C by up to a factor e^η, so C would under- or overflow within a few steps (default 0.2)"
+            )
 
 
 CLIP_MODES = ("fixed", "quantile", "automatic")
+CLIP_LEARNING_RATE_MAX = 5.0
+"""The largest quantile-mode η: one update moves C by a factor e^η at most (e^5 ≈ 148)."""
 
 
 def require_finite(

@@ -40,6 +40,11 @@ def check_checkpoint_file(path: str | Path, *, flag: str, weights_only: bool = T
     if not path.is_file():
         raise ValueError(f"{flag} {path}: no such file")
     unsafe = unsafe_globals(path)
+    if unsafe is None and _starts_as_a_zip(path):
+        raise ValueError(
+            f"{flag} {path}: truncated or damaged (it starts as a torch.save file, but is not a whole one: a copy or "
+            "a save that did not finish?); use another checkpoint of the run, or copy this one again"
+        )
     if unsafe is None:
         raise ValueError(f"{flag} {path}: not a checkpoint (not a file written by torch.save / Lightning)")
     if unsafe and weights_only:
@@ -56,6 +61,12 @@ def unsafe_globals(path: Path) -> list[str] | None:
         return torch.serialization.get_unsafe_globals_in_checkpoint(path) if zipfile.is_zipfile(path) else None
     except RuntimeError:  # a zip archive that torch.save did not write
         return None
+
+
+def _starts_as_a_zip(path: Path) -> bool:
+    """Whether the file opens with a zip entry's signature, as every ``torch.save`` file does."""
+    with path.open("rb") as file:
+        return file.read(4) == b"PK\x03\x04"
 
 
 def read_checkpoint(path: str | Path, *, flag: str) -> dict[str, Any]:

@@ -64,12 +64,13 @@ def export_main(argv: list[str]) -> None:
         "(the largest user's row count), each marked as not covered by ε (default: none is released)",
     )
     args = parser.parse_args(argv)
-    rank_zero_info(f"exporting {args.ckpt_path}: rebuilding the model, merging adapters, writing weights and card ...")
+    announcement = f"exporting {args.ckpt_path}: rebuilding the model, merging adapters, writing weights and card ..."
     with one_line_interrupt(f"nothing was exported (--output_dir {args.output_dir} is as it was)"):
         folder = export_checkpoint(
             args.ckpt_path, args.output_dir, config=args.config, adapter_only=args.adapter_only,
             overwrite=args.overwrite, data_description=args.data_description,
             publish_private_diagnostics=args.publish_private_diagnostics,
+            on_checked=lambda: rank_zero_info(announcement),
         )  # fmt: skip
     rank_zero_info(export_summary(folder, _guarantee(folder)))
 

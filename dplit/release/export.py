@@ -8,7 +8,7 @@ import shutil
 import signal
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ def export_checkpoint(
     overwrite: bool = False,
     data_description: str | None = None,
     publish_private_diagnostics: bool = False,
+    on_checked: Callable[[], None] | None = None,
 ) -> Path:
     """Write ``output_dir``: weights, config, generation config, tokenizer, ``README.md`` and ``dp_guarantee.json``.
 
@@ -52,6 +53,8 @@ def export_checkpoint(
         publish_private_diagnostics: state in the card and ``dp_guarantee.json`` the values the run computed from
             the private data without noise (the largest user's row count), each marked as not covered by ε. Off
             (the default), the released files carry none; the local ledger and TensorBoard are unchanged.
+        on_checked: called once the checkpoint and the output folder are checked, before the work (the command
+            announces the work there, so a refused input prints only its one line).
 
     Returns:
         The folder written.
@@ -71,6 +74,8 @@ def export_checkpoint(
             "the run's base is quantised (model.quantization): export its adapters with --adapter_only, and merge "
             "them onto the float base if you need one model (PeftModel.from_pretrained(base, folder).merge_and_unload())"
         )
+    if on_checked is not None:
+        on_checked()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     staging.chmod(_umask_mode(0o777))  # mkdtemp makes it 0700; a model meant for sharing follows the umask
     try:

@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
 from dplit.audit.canaries import GradientCanaries, InputCanaries
-from dplit.audit.command import AUDIT_FILE, audit_main
+from dplit.audit.command import AUDIT_FILE, audit_main, verdict
 from dplit.privacy.warnings import PrivacyWarning
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
 from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
@@ -387,3 +387,16 @@ def test_an_audit_of_user_level_dp_samples_its_canaries_as_users(tmp_path: Path)
     assert ledger["privacy_unit"] == "user" and ledger["users"] < 200
     assert report["sample_rate"] == pytest.approx(10 / ledger["users"]) and report["mode"] == "white_box"
     assert 0 <= report["epsilon_lower_bound"] <= report["claimed_epsilon"] and not report["violation"]
+
+
+@pytest.mark.parametrize(("ceiling", "says"), [(3.0, True), (9.0, False)])
+def test_the_verdict_says_when_no_outcome_could_refute_the_claim(ceiling: float, says: bool) -> None:
+    """Canaries whose every guess right shows less than the claimed ε: 'not refuted' means nothing (issue 50)."""
+    report = {
+        "claimed_epsilon": 8.0, "epsilon_lower_bound": 0.5, "confidence": 0.95, "analysis": "fdp", "mode": "white_box",
+        "canaries": 1000, "steps": 40, "delta": 1e-5, "claimed_curve_refuted": False, "checks": [],
+        "fdp": {"mu": 0.1, "epsilon": 0.5}, "eps_delta": {"epsilon": 0.4},
+        "plan": {"expected_mu": 0.2, "expected_epsilon": 1.0, "ceiling_mu": 0.9, "ceiling_epsilon": ceiling},
+    }  # fmt: skip
+    line = verdict(report)[1]
+    assert ("no outcome of this audit could refute it" in line) is says, line

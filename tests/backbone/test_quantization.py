@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,49 @@ def test_the_per_example_engine_refuses_a_quantised_base_at_setup(folders: dict[
     with pytest.raises(ValueError, match="clipping=per_example cannot run model.quantization") as refused:
         engine.check_parameters()
     assert "\n" not in str(refused.value)
+
+
+CAST = "MatMul8bitLt: inputs will be cast from %s to float16 during quantization"
+"""The warning bitsandbytes' CUDA 8-bit matmul logs on every quantised layer's every call (its CPU path has none)."""
+
+
+@pytest.mark.parametrize("quantization", [NF4, INT8], ids=["nf4", "int8"])
+def test_a_quantised_base_is_announced_once(
+    folders: dict[str, Path], quantization: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 50: a 4-bit base was never announced."""
+    with caplog.at_level(logging.INFO):
+        model = qlora_classifier(folders["untied"], "untied", quantization)
+        batch = padded_batch([5, 3], "right", vocab=VOCAB)
+        model.backbone(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.sum().backward()
+    kind = "8-bit (LLM.int8)" if quantization is INT8 else "4-bit nf4, compute float32"
+    announced = [m for m in caplog.messages if m.startswith("model.quantization: model.pretrained=")]
+    assert len(announced) == 1 and f"bitsandbytes {kind} base, frozen" in announced[0], caplog.messages
+
+
+def test_bitsandbytes_per_layer_warnings_are_shown_once(
+    folders: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 50: 8-bit QLoRA printed bitsandbytes' cast warning per layer per pass (16 lines in 2 steps)."""
+    qlora_classifier(folders["untied"], "untied", INT8)
+    with caplog.at_level(logging.INFO):
+        for _ in range(16):  # as its CUDA matmul logs it: 8 layers, 2 passes
+            logging.getLogger("bitsandbytes.autograd._functions").warning(CAST, torch.float32)
+        logging.getLogger("bitsandbytes.nn.modules").warning("another message")
+    shown = [record.getMessage() for record in caplog.records if record.name.startswith("bitsandbytes")]
+    assert shown == [CAST % torch.float32, "another message"]
+
+
+@pytest.mark.gpu
+def test_8_bit_passes_on_a_gpu_show_the_cast_warning_once(
+    folders: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (bitsandbytes' 8-bit cast warning is on its CUDA path)")
+    with caplog.at_level(logging.INFO):
+        model = qlora_classifier(folders["untied"], "untied", INT8).cuda()
+        batch = padded_batch([5, 3], "right", vocab=VOCAB)
+        for _ in range(2):
+            logits = model.backbone(input_ids=batch["input_ids"].cuda(), attention_mask=batch["attention_mask"].cuda())
+            logits.logits.sum().backward()
+    assert len([m for m in caplog.messages if m.startswith("MatMul8bitLt: inputs will be cast")]) == 1, caplog.messages

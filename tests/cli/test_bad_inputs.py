@@ -25,7 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from dplit.data.tokenizer import load_tokenizer
 from dplit.strategy import DPStrategy
-from tests.helpers.commands import CONFIGS, TINY, lm_args, lora_on, quickstart_args
+from tests.helpers.commands import CONFIGS, TINY, checkpoint_of, lm_args, lora_on, quickstart_args, steps
 from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
 from tests.helpers.fitting import make_model
 from tests.helpers.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
@@ -77,16 +77,41 @@ def random_bytes_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     return ["--ckpt_path", str(scratch / "noise.ckpt")]
 
 
+def truncated_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
+    """The first half of a checkpoint file (a copy or a save that did not finish)."""
+    torch.save({"state_dict": {"layer.weight": torch.zeros(64, 64)}}, scratch / "whole.ckpt")
+    data = (scratch / "whole.ckpt").read_bytes()
+    (scratch / "cut.ckpt").write_bytes(data[: len(data) // 2])
+    return ["--ckpt_path", str(scratch / "cut.ckpt")]
+
+
 def object_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     """A file torch.save wrote, holding an arbitrary Python object (no checkpoint: weights_only refuses it)."""
     torch.save({"a": object()}, scratch / "object.ckpt")
     return ["--ckpt_path", str(scratch / "object.ckpt")]
 
 
+def gguf_file_as_pretrained(scratch: Path, tokenizer: Path) -> list[str]:
+    """A GGUF file given as ``model.pretrained`` (its folder and ``model.gguf_file`` are what load it)."""
+    (scratch / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    return ["--model.config", "null", "--model.pretrained", str(scratch / "model.gguf")]
+
+
 def lora_rank_4_checkpoint(scratch: Path, tokenizer: Path) -> list[str]:
     """A checkpoint of a rank-4 LoRA run, resumed with ``r: 8`` (the checkpoint's rank would silently win)."""
     torch.save({"state_dict": {}, "hyper_parameters": {"peft": json.loads(lora_on("c_attn"))}}, scratch / "lora.ckpt")
     return ["--model.peft", lora_on("c_attn").replace('"r": 4', '"r": 8'), "--ckpt_path", str(scratch / "lora.ckpt")]
+
+
+def resumed_after(*first: str) -> Setup:
+    """``dplit fit`` on the quickstart config, resuming a one-step quickstart run that had the flags ``first``."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        done = run_dplit_in_process("fit", *quickstart_args(scratch / "first", *steps(1), *first))
+        assert done.returncode == 0, done.stderr[-3000:]
+        return ["fit", *quickstart_args(run), "--ckpt_path", str(checkpoint_of(scratch / "first"))]
+
+    return setup
 
 
 def second_config(text: str) -> Setup:
@@ -228,6 +253,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ),
     ("text-file-as-checkpoint", with_files(text_checkpoint), r"--ckpt_path .*notes.ckpt: not a checkpoint"),
     ("random-bytes-as-checkpoint", with_files(random_bytes_checkpoint), r"--ckpt_path .*noise.ckpt: not a checkpoint"),
+    ("truncated-checkpoint", with_files(truncated_checkpoint), r"^--ckpt_path .*cut\.ckpt: truncated or damaged \(it starts as a torch\.save file"),
     ("checkpoint-pickles-an-object", with_files(object_checkpoint), r"^--ckpt_path .*object\.ckpt: not a checkpoint dplit can load: it pickles builtins\.object"),
     ("missing-checkpoint", flags("--ckpt_path", "/nonexistent/last.ckpt"), r"--ckpt_path /nonexistent/last.ckpt: no such"),
     (
@@ -303,6 +329,14 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("freeze-prefix-typo", flags("--model.freeze", '["backbone.transfomer.wpe"]'), r"^model\.freeze: no parameter name starts with 'backbone\.transfomer\.wpe' \(did you mean 'backbone\.transformer\.wpe'\?\)$"),
     ("per-example-with-sdpa", flags("--trainer.strategy.init_args.clipping", "per_example", "--model.attn_implementation", "sdpa"), r"^DPStrategy\.clipping=per_example cannot run model\.attn_implementation='sdpa'"),
     ("lm-no-sample-tokens", lm_flags("--model.sample_tokens", "0"), r"^model\.sample_tokens=0: must be an integer ≥ 1"),
+    # user-level DP settings without the user unit: example-level DP would be trained without a word
+    ("max-rows-per-user-without-user-unit", flags("--data.max_rows_per_user", "4"), r"^data\.max_rows_per_user=4 is set but data\.privacy_unit='example': set data\.privacy_unit=user"),
+    ("lm-max-rows-per-user-without-user-unit", lm_flags("--data.max_rows_per_user", "4"), r"^data\.max_rows_per_user=4 is set but data\.privacy_unit='example'"),
+    ("all-rows-one-user", lm_files("train.jsonl", '{"text": "fine", "author": "ann"}\n' * 8, "--data.privacy_unit", "user", "--data.user_column", "author"), r"train\.jsonl: data\.user_column='author' gives one user for all 8 training rows"),
+    ("gguf-file-without-pretrained", flags("--model.gguf_file", "model.gguf"), r"^model\.gguf_file='model\.gguf' needs model\.pretrained: the folder holding the GGUF file$"),
+    ("gguf-file-as-pretrained", with_files(gguf_file_as_pretrained), r"^model\.pretrained='.*model\.gguf': is a GGUF file, expected its folder; set model\.pretrained='.*scratch' and model\.gguf_file='model\.gguf'"),
+    ("clip-learning-rate-absurd", flags("--trainer.strategy.init_args.clip_mode", "quantile", "--trainer.strategy.init_args.clip_learning_rate", "1000"), r"^DPStrategy\.clip_learning_rate=1000\.0 is above 5\.0: one update moves C by up to a factor e\^η"),
+    ("resume-changes-the-privacy-unit", resumed_after("--data.privacy_unit", "user", "--data.max_rows_per_user", "4"), r"^data\.privacy_unit='example' differs from the checkpoint's run, which protected each user \(\d+ users\): its ε cannot continue"),
     # data files and paths
     ("tsv-not-utf8", sst2_row((GOOD_TSV + "it was b\xe9te . \t0\n").encode("latin-1")), r"train.tsv, line 5: not UTF-8 text \(at column 9\)$"),
     ("tsv-only-blank-lines", sst2_row("\n  \n\n"), r"train.tsv: no examples \(only blank lines\)$"),
@@ -330,6 +364,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
     # the privacy audit: dplit audit and dplit lm audit
     ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
+    ("audit-two-canaries", auditing("--audit.canaries", "2"), r"^audit\.canaries=2 cannot refute any claim at 95% confidence: all 2 guesses right happen by chance with probability 2\^-2 = 0\.25; use at least 5"),
     ("audit-confidence-outside-0-1", auditing("--audit.confidence", "1.5"), r"^audit\.confidence must be in \(0, 1\), got 1\.5$"),
     ("audit-unknown-mode", auditing("--audit.mode", "grey_box"), r"^audit\.mode must be one of white_box, black_box, got 'grey_box'$"),
     ("audit-unknown-analysis", auditing("--audit.analysis", "renyi"), r"^audit\.analysis must be one of fdp, eps_delta, got 'renyi'$"),
@@ -390,6 +425,7 @@ END_TO_END = {
     "validate-missing-checkpoint",  # dplit validate
     "audit-one-canary",  # dplit audit
     "lm-audit-confidence-zero",  # dplit lm audit
+    "lm-max-rows-per-user-without-user-unit",  # dplit lm fit: a user setting without the user unit (issue 50)
     "export-not-a-dplit-checkpoint",  # dplit export
     "generate-prompts-not-utf8",  # dplit lm generate
 }

@@ -71,6 +71,14 @@ def test_config_has_header_with_exact_command(config: Path) -> None:
     assert header.startswith("# ") and f"{command} --config configs/{config.name}" in header
 
 
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
+def test_config_saves_the_last_checkpoint_the_docs_resume_and_export(config: Path) -> None:
+    """``lightning_logs/version_0/checkpoints/last.ckpt`` (README, tutorial, how-tos) exists after any shipped config."""
+    callbacks = yaml.safe_load(config.read_text())["trainer"].get("callbacks", [])
+    checkpoints = [c for c in callbacks if c["class_path"].endswith(".ModelCheckpoint")]
+    assert len(checkpoints) == 1 and checkpoints[0].get("init_args", {}).get("save_last") is True
+
+
 def test_print_config_shows_linked_and_overridden_values(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     args = quickstart_args(tmp_path, "--trainer.strategy.init_args.max_grad_norm", "0.25", "--print_config")
     with pytest.raises(SystemExit) as stop:

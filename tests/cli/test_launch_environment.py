@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from dplit.cli.launch import LAUNCH_VARIABLES, LAUNCHERS, drop_inherited_launch_variables
+from dplit.cli.launch import LAUNCH_VARIABLES, LAUNCHERS, drop_inherited_launch_variables, oversubscription_message
+from tests.helpers.commands import quickstart_args
+from tests.helpers.executable import dplit_executable, user_environment
 from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
@@ -71,3 +74,26 @@ def test_variables_a_launcher_set_are_kept(no_launcher: pytest.MonkeyPatch, name
     no_launcher.setenv(name, value)
     assert drop_inherited_launch_variables() == []
     assert os.environ["MASTER_PORT"] == "29511"
+
+
+@pytest.mark.parametrize(("processes", "cores", "warned"), [(4, 2, True), (2, 2, False), (1, 1, False)])
+def test_more_cpu_processes_than_cores_are_named(processes: int, cores: int, warned: bool) -> None:
+    message = oversubscription_message(processes, cores)
+    assert (message is not None) is warned
+    if warned:
+        assert f"trainer.devices={processes} starts {processes} training processes on {cores} CPU core(s)" in message
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux) to give dplit one core")
+def test_two_processes_on_one_core_start_with_a_word(tmp_path: Path) -> None:
+    """Issue 50 §6: 4 processes on 2 cores started without a word; here 2 on 1 (taskset), through the executable."""
+    args = quickstart_args(tmp_path, "--trainer.devices", "2", "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1")
+    result = subprocess.run(
+        ["taskset", "-c", "0", dplit_executable(), "fit", *args], capture_output=True, text=True, timeout=600,
+        check=False, env=user_environment(),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    warned = [line for line in output.splitlines() if "training processes on 1 CPU core(s)" in line]
+    assert result.returncode == 0 and len(warned) == 1, output
+    assert warned[0].startswith("dplit: warning: trainer.devices=2 starts 2 training processes"), warned

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import subprocess
 import sys
 import warnings
@@ -13,7 +14,7 @@ import pytest
 from dplit.cli.lightning_cli import run_cli
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.terminal import COMMANDS, show_warning, terminal_output
-from tests.helpers.commands import quickstart_args
+from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import dplit_executable, user_environment
 
 NOISE = ("💡 Tip", "LeafSpec", "Initializing distributed", "All distributed processes registered",
@@ -55,7 +56,26 @@ def test_a_private_run_at_the_terminal_shows_its_privacy_and_no_noise(tmp_path: 
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "DP-SGD: σ=" in output and "self-check passed" in output
+    assert "C=1.0 (clip_mode fixed)" in output and "expected batch 20.0 examples" in output, output
     assert not [noise for noise in NOISE if noise in output], output
+
+
+@pytest.mark.parametrize(
+    ("extra", "shown"),
+    [
+        (["--trainer.strategy.init_args.clip_mode", "automatic"], ("C=1.0 (clip_mode automatic: a scale, not a bound)", "examples")),
+        (["--trainer.strategy.init_args.clip_mode", "quantile", "--data.privacy_unit", "user"], ("C_0=1.0 (clip_mode quantile", "users")),
+    ],
+    ids=["automatic-examples", "quantile-users"],
+)  # fmt: skip
+def test_the_start_up_line_names_the_clip_mode_and_the_unit(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, extra: list[str], shown: tuple[str, str]
+) -> None:
+    """Under automatic clipping C is no bound, and under user-level DP the expected batch counts users (issue 50)."""
+    with caplog.at_level(logging.INFO):
+        run_cli(["fit", *quickstart_args(tmp_path, *steps(1), *extra)])
+    lines = [line for line in caplog.messages if line.startswith("DP-SGD: σ=")]
+    assert len(lines) == 1 and shown[0] in lines[0] and f" {shown[1]}, δ=" in lines[0], lines
 
 
 @pytest.mark.slow

@@ -89,6 +89,7 @@ def test_the_synthetic_task_gives_users_to_its_training_rows_only() -> None:
         ({"privacy_unit": "person"}, "data.privacy_unit must be one of example, user"),
         ({"privacy_unit": "user", "max_rows_per_user": 0}, "data.max_rows_per_user must be an integer ≥ 1"),
         ({"user_column": "author"}, "data.user_column='author' is set but data.privacy_unit='example'"),
+        ({"max_rows_per_user": 4}, "data.max_rows_per_user=4 is set but data.privacy_unit='example'"),
         ({"task": "sst2", "privacy_unit": "user"}, "GLUE's sst2 from the hub has no user column"),
         ({"task": "sst2", "privacy_unit": "user", "data_dir": "DIR"}, "data.privacy_unit=user needs data.user_column"),
     ],

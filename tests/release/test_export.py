@@ -367,3 +367,20 @@ def test_an_export_folder_follows_the_umask_not_mkdtemps_0700(quickstart_checkpo
     finally:
         os.umask(previous)
     assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o755
+
+
+@pytest.mark.parametrize("problem", ["missing", "not-a-checkpoint", "output-not-empty"])
+def test_export_checks_its_input_before_it_announces_work(
+    quickstart_checkpoint: Path, tmp_path: Path, problem: str
+) -> None:
+    """A refused export prints its one line only: never 'exporting ...: rebuilding the model' first (issue 50)."""
+    checkpoint = {"missing": tmp_path / "none.ckpt", "not-a-checkpoint": tmp_path / "notes.ckpt"}.get(
+        problem, quickstart_checkpoint
+    )
+    (tmp_path / "notes.ckpt").write_text("not a checkpoint\n")
+    (tmp_path / "out").mkdir()
+    if problem == "output-not-empty":
+        (tmp_path / "out" / "notes.txt").write_text("someone's notes\n")
+    result = run_dplit_in_process("export", "--ckpt_path", str(checkpoint), "--output_dir", str(tmp_path / "out"))
+    refusal_line(result)
+    assert "exporting" not in result.stdout + result.stderr, result.stdout + result.stderr
