@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from dplit.terminal import front_door
+from dplit.cli.terminal import front_door
 
 
 def main(args: list[str] | None = None) -> None:

@@ -87,3 +87,22 @@ def test_privacy_imports_no_lightning_and_names_no_strategy() -> None:
         assert not any(name.split(".")[0] in ("lightning", "pytorch_lightning") for name in imported), path
         named = [text for text in _code_strings(path) if re.search(r"DPStrategy\.[a-z_]", text)]  # a knob, not a class
         assert not named, f"{path.relative_to(PACKAGE)} names a strategy in {named[0]!r}: write refusal.OWNER"
+
+
+def package_graph() -> dict[str, set[str]]:
+    """The import graph between dplit's top-level parts (``dplit.cli``, ``dplit.privacy``, ``dplit.strategy``, ...)."""
+
+    def part(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        graph.setdefault(part(module), set()).update(part(target) for target in targets if part(target) != part(module))
+    return graph
+
+
+def test_dplit_has_no_import_cycle_between_packages() -> None:
+    """No package imports one that imports it back (through any module): each part is a layer."""
+    graph = package_graph()
+    assert {"dplit.cli", "dplit.audit", "dplit.privacy"} <= set(graph) and "dplit.privacy" in graph["dplit.cli"]
+    assert cycles(graph) == [], " ; ".join(" -> ".join(cycle) for cycle in cycles(graph))

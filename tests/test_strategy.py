@@ -261,7 +261,7 @@ def test_the_dp_strategies_take_exactly_the_dp_settings_with_their_defaults_and_
     import inspect
 
     from dplit.privacy.settings import DPSGDSettings
-    from dplit.strategy_hooks import DPSGDHooks
+    from dplit.strategy.hooks import DPSGDHooks
 
     fields = {field.name: field for field in dataclasses.fields(DPSGDSettings) if field.name != "flag_owner"}
     parameters = {

@@ -18,7 +18,7 @@ from jsonargparse import Namespace
 
 from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
-from dplit.strategy_hooks import DPSGDHooks
+from dplit.strategy.hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
 

@@ -41,7 +41,7 @@ from dplit.data import GlueDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.checkpoint import check_checkpoint_file
-from dplit.strategy_hooks import DPSGDHooks
+from dplit.strategy.hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
 

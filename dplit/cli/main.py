@@ -2,7 +2,7 @@
 
 ``dplit.__main__`` answers help and a mistyped command before importing this module (it imports torch and
 Lightning); everything else arrives at :func:`main`, which looks the command up in :data:`RUNNERS`: the classifier
-and LM LightningCLIs (:mod:`dplit.cli.lightning_cli`), ``dplit audit`` (:mod:`dplit.audit.command`), ``dplit export``
+and LM LightningCLIs (:mod:`dplit.cli.lightning_cli`), ``dplit audit`` (:mod:`dplit.cli.audit`), ``dplit export``
 and ``dplit lm generate`` (:mod:`dplit.release.commands`).
 """
 
@@ -16,7 +16,7 @@ from functools import partial
 
 from lightning.pytorch.cli import ArgsType
 
-from dplit.audit.command import audit_main
+from dplit.cli.audit import audit_main
 from dplit.cli.launch import (
     destroy_process_group_started,
     drop_inherited_launch_variables,
@@ -24,8 +24,8 @@ from dplit.cli.launch import (
     process_group_initialized,
 )
 from dplit.cli.lightning_cli import run_cli, run_lm_cli
+from dplit.cli.terminal import dependency_refusal, front_door, terminal_output
 from dplit.release.commands import export_main, generate_main
-from dplit.terminal import dependency_refusal, front_door, terminal_output
 
 Runner = Callable[[list[str]], object]
 """Runs one command on the arguments that follow its name."""
@@ -50,7 +50,7 @@ RUNNERS: dict[str, Runner] = {
     "": run_cli,  # flags before the command (``dplit -c run.yaml fit``): LightningCLI finds the subcommand among them
     "lm": run_lm_cli,
 }
-"""Every command of :data:`dplit.terminal.COMMANDS` (and a group whose flags come first) → what runs it."""
+"""Every command of :data:`dplit.cli.terminal.COMMANDS` (and a group whose flags come first) → what runs it."""
 
 REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 """What dplit raises for a bad config, bad data or an unsafe setting: shown as one line, not a traceback."""
@@ -59,12 +59,12 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 def main(args: ArgsType = None) -> None:
     """Entry point of ``dplit fit|validate|test|audit|export`` and ``dplit lm fit|validate|audit|generate|export``.
 
-    ``dplit``, ``dplit --help`` and an unknown command are answered by :func:`dplit.terminal.front_door` (one
+    ``dplit``, ``dplit --help`` and an unknown command are answered by :func:`dplit.cli.terminal.front_door` (one
     help listing every command; a did-you-mean).
 
     torch.distributed variables that a parent process exported for itself are dropped first, in one warning line
     (see :func:`dplit.cli.launch.drop_inherited_launch_variables`). A refusal (one of :data:`REFUSALS`, or
-    Lightning's or torch's own refusal of a setting: see :func:`dplit.terminal.dependency_refusal`) prints
+    Lightning's or torch's own refusal of a setting: see :func:`dplit.cli.terminal.dependency_refusal`) prints
     ``dplit: error: <message>`` on one line and exits 2; ``--debug`` or ``DPLIT_DEBUG=1`` shows the traceback instead.
     """
     argv = list(sys.argv[1:] if args is None else args)

@@ -9,10 +9,10 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from dplit.interrupted_run import INTERRUPT_CHECKPOINT
 from dplit.privacy.composition import mixed_epsilon, mixed_units, protected_unit, smallest_delta
 from dplit.privacy.ledger import LEDGER_FILE
-from dplit.strategy_hooks import DPSGDHooks
+from dplit.strategy.hooks import DPSGDHooks
+from dplit.strategy.interrupted_run import INTERRUPT_CHECKPOINT
 
 PREEMPTED_EXIT = 128 + signal.SIGTERM
 """The exit status of a run stopped by SIGTERM (the shell's convention), so schedulers see it did not finish."""

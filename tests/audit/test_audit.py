@@ -20,7 +20,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from dplit.audit.bound import audit_bound, binomial_pmf, epsilon_lower_bound, guess_counts, p_value
 from dplit.audit.canaries import GradientCanaries, InputCanaries
-from dplit.audit.command import AUDIT_FILE, audit_main, verdict
+from dplit.audit.command import AUDIT_FILE, verdict
+from dplit.cli.audit import audit_main
 from dplit.privacy.warnings import PrivacyWarning
 from tests.helpers.commands import CONFIGS, TINY_LLAMA, lm_args
 from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment

@@ -150,7 +150,7 @@ def test_a_command_line_splits_into_the_command_and_its_arguments(
 
 def test_every_command_of_the_help_has_a_runner() -> None:
     from dplit.cli.main import RUNNERS
-    from dplit.terminal import COMMANDS
+    from dplit.cli.terminal import COMMANDS
 
     assert set(RUNNERS) == set(COMMANDS) | {"", "lm"}
 

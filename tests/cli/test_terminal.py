@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dplit.cli.lightning_cli import run_cli
+from dplit.cli.terminal import COMMANDS, show_warning, terminal_output
 from dplit.privacy.warnings import PrivacyWarning
-from dplit.terminal import COMMANDS, show_warning, terminal_output
 from tests.helpers.commands import quickstart_args, steps
 from tests.helpers.executable import dplit_executable, user_environment
 

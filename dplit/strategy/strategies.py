@@ -11,12 +11,12 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from dplit.interrupted_run import INTERRUPT_CHECKPOINT
 from dplit.privacy.dpsgd import NO_NOISE_WARNING
 from dplit.privacy.integrity import check_digests
 from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.world import ProcessGroup, SingleProcess
-from dplit.strategy_hooks import DPSGDHooks
+from dplit.strategy.hooks import DPSGDHooks
+from dplit.strategy.interrupted_run import INTERRUPT_CHECKPOINT
 
 __all__ = ["INTERRUPT_CHECKPOINT", "NO_NOISE_WARNING", "DPStrategy", "ShardedDPStrategy"]
 
@@ -28,7 +28,7 @@ class DPStrategy(DPSGDHooks, DDPStrategy):
     micro-batches, the clipped sums are all-reduced once with N(0, σ²C²) added once (rank 0), divided by the
     expected batch size, and the optimizer steps. Under data parallelism there is no DDP wrapper: rank 0's weights
     are broadcast at setup and each rank samples its own shard at the global rate q. The ledger is saved in every
-    checkpoint and in ``privacy_ledger.json``. Its arguments are :class:`~dplit.strategy_hooks.DPSGDHooks`'
+    checkpoint and in ``privacy_ledger.json``. Its arguments are :class:`~dplit.strategy.hooks.DPSGDHooks`'
     (the fields of :class:`~dplit.privacy.settings.DPSGDSettings`) and Lightning's ``DDPStrategy``'s
     (``process_group_backend``, ``start_method``, ...).
     """
@@ -59,7 +59,7 @@ class ShardedDPStrategy(DPSGDHooks, ModelParallelStrategy):
         self_check: must stay false: the ghost self-check compares with autograd on whole weights.
         process_group_backend: the torch.distributed backend (default: NCCL on GPUs, gloo on CPUs).
         timeout: how long a collective may wait.
-        **kwargs: :class:`~dplit.strategy_hooks.DPSGDHooks`' DP arguments (``clipping`` must be ``"ghost"``).
+        **kwargs: :class:`~dplit.strategy.hooks.DPSGDHooks`' DP arguments (``clipping`` must be ``"ghost"``).
     """
 
     flag_owner = "ShardedDPStrategy"

@@ -21,7 +21,6 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from dplit.interrupted_run import interrupt_checkpoint_path, save_interrupted_run
 from dplit.privacy.accounting import Mechanism, PrivacyAccountant
 from dplit.privacy.clipping.engine import Batch, ClippingEngine
 from dplit.privacy.dpsgd import DPSGD, clipping_engine
@@ -31,8 +30,9 @@ from dplit.privacy.noise import NoiseSource
 from dplit.privacy.refusal import SettingError
 from dplit.privacy.settings import FLAG_OWNER, DPSGDSettings
 from dplit.privacy.world import World
-from dplit.step_logging import log_clipping, log_spend
-from dplit.strategy_checks import check_module, check_same_privacy_unit, check_trainer
+from dplit.strategy.checks import check_module, check_same_privacy_unit, check_trainer
+from dplit.strategy.interrupted_run import interrupt_checkpoint_path, save_interrupted_run
+from dplit.strategy.step_logging import log_clipping, log_spend
 
 UNIT_FACTS = ("privacy_unit", "dataset_size", "users", "max_rows_per_user", "largest_user_rows", "clip_mode")
 """What TensorBoard's hyperparameters show as ``privacy/*``: the privacy unit's public counts and the clipping mode's
