@@ -139,7 +139,7 @@ def show_warning(
         (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parent.parent  # dplit/ (this file is dplit/cli/terminal.py)
 
 
 @contextmanager
