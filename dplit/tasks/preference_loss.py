@@ -49,7 +49,7 @@ class PairLogProbs:
         return beta * self.log_ratio_difference()
 
     def log_ratio_difference(self) -> Tensor:
-        """h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)) [P]."""
+        """The log-ratio difference h = (log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l)) [P]."""
         return (self.policy_chosen - self.reference_chosen) - (self.policy_rejected - self.reference_rejected)
 
 
