@@ -56,7 +56,9 @@ class PairLogProbs:
 def check_preference_settings(beta: float, label_smoothing: float, loss_type: str) -> None:
     """Refuse, in one line naming the flag, β ≤ 0, ε outside [0, 0.5) and an unknown loss."""
     if not is_finite_number(beta, above=0):
-        raise ValueError(f"model.beta={beta!r}: must be a finite number > 0 (the strength of the pull to the reference)")
+        raise ValueError(
+            f"model.beta={beta!r}: must be a finite number > 0 (the strength of the pull to the reference)"
+        )
     if not is_finite_number(label_smoothing, minimum=0, below=0.5):
         raise ValueError(f"model.label_smoothing={label_smoothing!r}: must be in [0, 0.5) (cDPO's label noise)")
     if loss_type not in LOSS_TYPES:
