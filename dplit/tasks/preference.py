@@ -21,6 +21,8 @@ from dplit.tasks.reference import ReferencePolicy
 
 CHOSEN_KEY = "chosen"
 """The batch key marking each row's role: 1 for a pair's chosen answer, 0 for its rejected one."""
+REFERENCE_KEY = "dplit_reference_digest"
+"""The checkpoint entry holding the digest of the reference the weights were trained against."""
 METRICS = ("loss", "reward_accuracy", "margin", "logp_chosen", "logp_rejected")
 
 
@@ -55,6 +57,7 @@ class PreferenceModel(CausalLMModule):
         self.reference = ReferencePolicy(self.backbone)
         self._totals: dict[str, float] = dict.fromkeys(METRICS, 0.0)
         self._pairs = 0
+        self._loaded_reference: str | None = None
 
     @override
     def setup(self, stage: str) -> None:
@@ -65,6 +68,41 @@ class PreferenceModel(CausalLMModule):
             raise ValueError(
                 f"{owner}.clipping=per_example traces one row at a time, but a preference pair's loss needs both of "
                 f"its rows: use {owner}.clipping=ghost"
+            )
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Also record the reference's digest: a resumed or validated run must compare against the same reference."""
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[REFERENCE_KEY] = self.reference.digest(self.backbone)
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the checkpoint's reference digest, checked before the first step or validation batch."""
+        super().on_load_checkpoint(checkpoint)
+        self._loaded_reference = checkpoint.get(REFERENCE_KEY)
+
+    @override
+    def on_train_start(self) -> None:
+        """Refuse a resumed run whose reference is not the one its checkpoint trained against."""
+        super().on_train_start()
+        self._check_reference()
+
+    @override
+    def on_validation_start(self) -> None:
+        """As :meth:`on_train_start`, for ``dplit dpo validate --ckpt_path``."""
+        self._check_reference()
+
+    @override
+    def on_test_start(self) -> None:
+        """As :meth:`on_train_start`, for ``dplit dpo test --ckpt_path``."""
+        self._check_reference()
+
+    def _check_reference(self) -> None:
+        if self._loaded_reference is not None and self._loaded_reference != self.reference.digest(self.backbone):
+            raise ValueError(
+                "--ckpt_path: this run's DPO reference (the starting weights: model.pretrained, or model.config with "
+                "seed_everything) is not the one the checkpoint was trained against; use the same starting weights"
             )
 
     @override

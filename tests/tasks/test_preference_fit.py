@@ -27,6 +27,10 @@ def test_dpo_quickstart_learns_the_preference_privately_and_its_card_says_pair(t
     ledger = json.loads(next(tmp_path.rglob("privacy_ledger.json")).read_text())
     assert ledger["privacy_unit"] == "pair" and ledger["dataset_size"] == 600 and 0 < ledger["epsilon"] <= 8
     checkpoint = next(tmp_path.rglob("*.ckpt"))
+    again = run_dpo_cli(["validate", *args, "--ckpt_path", str(checkpoint)]).trainer.callback_metrics
+    assert float(again["val/reward_accuracy"]) == pytest.approx(float(metrics["val/reward_accuracy"]))
+    with pytest.raises(ValueError, match="DPO reference .* is not the one the checkpoint was trained against"):
+        run_dpo_cli(["validate", *args, "--seed_everything", "1", "--ckpt_path", str(checkpoint)])
     out = run_dplit_in_process("export", "--ckpt_path", str(checkpoint), "--output_dir", str(tmp_path / "out"))
     assert out.returncode == 0, out.stderr
     assert "DP per preference pair" in out.stdout + out.stderr
