@@ -36,3 +36,9 @@ def test_dpo_quickstart_learns_the_preference_privately_and_its_card_says_pair(t
     assert "DP per preference pair" in out.stdout + out.stderr
     card = (tmp_path / "out" / "README.md").read_text()
     assert "with respect to one preference pair" in card and "of the 600 training pairs" in card
+    (tmp_path / "prompts.txt").write_text("the movie is\n")
+    samples = run_dplit_in_process("lm", "generate", "--model", str(tmp_path / "out"), "--prompts_file",
+                                   str(tmp_path / "prompts.txt"), "--max_new_tokens", "3", "--num_samples", "1",
+                                   "--output_file", str(tmp_path / "samples.jsonl"))  # fmt: skip
+    assert samples.returncode == 0, samples.stderr
+    assert "differentially private per preference pair" in samples.stdout + samples.stderr
