@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -24,9 +24,16 @@ from typing_extensions import override
 from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer
-from dplit.data.files import check_data_file, read_records, records_to_rows, refusal
+from dplit.data.files import check_data_file, read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
 from dplit.data.tokenizer import load_tokenizer
+from dplit.data.users import (
+    check_user_settings,
+    private_diagnostics_off,
+    synthetic_users,
+    user_indices,
+    warn_dominant_user,
+)
 from dplit.privacy.clipping.units import UNIT_KEY
 from dplit.privacy.run_facts import PAIR_UNIT
 from dplit.tasks.preference import CHOSEN_KEY
@@ -34,6 +41,8 @@ from dplit.tasks.preference import CHOSEN_KEY
 Split = Literal["train", "validation"]
 BUILTIN = "builtin"
 COLUMNS = ("prompt", "chosen", "rejected")
+SYNTHETIC_USER_PAIRS = 8
+"""The built-in set's users own 1 to this many consecutive pairs (seeded by ``data.seed``)."""
 
 
 class PreferencePair(TypedDict):
@@ -43,29 +52,43 @@ class PreferencePair(TypedDict):
     chosen_mask: list[int]
     rejected_ids: list[int]
     rejected_mask: list[int]
+    user: NotRequired[int]
 
 
 class PreferenceDataset(Dataset[PreferencePair]):
-    """Tokenised preference pairs; each item (a pair, two rows) is one privacy unit.
+    """Tokenised preference pairs; each item (a pair, two rows) is one privacy unit, or each user's pairs are.
+
+    Args:
+        pairs: the tokenised pairs.
+        users: each pair's user, 0..U-1 (``None``: each pair is its own privacy unit).
+        max_rows_per_user: k, the most pairs of one user in one DP step (``data.max_rows_per_user``).
 
     Attributes:
-        privacy_unit: ``"pair"``: DP-SGD samples items and its ledger, history and card count pairs.
+        privacy_unit: ``"pair"``: without users DP-SGD samples items and its ledger, history and card count pairs.
     """
 
     privacy_unit = PAIR_UNIT
 
-    def __init__(self, pairs: list[PreferencePair]) -> None:
+    def __init__(
+        self, pairs: list[PreferencePair], *, users: list[int] | None = None, max_rows_per_user: int = 1
+    ) -> None:
         self.pairs = pairs
+        self.users = users
+        self.max_rows_per_user = max_rows_per_user
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, index: int) -> PreferencePair:
-        return self.pairs[index]
+        if self.users is None:
+            return self.pairs[index]
+        return PreferencePair(**self.pairs[index], user=self.users[index])
 
 
 class PreferenceCollator(PadCollator):
     """Two rows per pair (chosen, then rejected), padded to the longest, both rows carrying the pair's unit id.
+
+    The unit id is the pair's place in the batch, or under user-level DP its user (all of a user's pairs one unit).
 
     An empty list (a Poisson batch may be empty) gives tensors of batch size 0.
     """
@@ -78,7 +101,8 @@ class PreferenceCollator(PadCollator):
         input_ids, attention_mask = pad_token_rows(ids, self.pad_token_id, self.padding_side)
         loss_mask, _ = pad_token_rows(masks, 0, self.padding_side)
         chosen = torch.tensor([1, 0] * len(pairs), dtype=torch.long)
-        units = torch.arange(len(pairs), dtype=torch.long).repeat_interleave(2)
+        owners = [pair["user"] for pair in pairs] if pairs and "user" in pairs[0] else list(range(len(pairs)))
+        units = torch.tensor(owners, dtype=torch.long).repeat_interleave(2)  # a pair's two rows: one unit (or user)
         return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
                 CHOSEN_KEY: chosen, UNIT_KEY: units}  # fmt: skip
 
@@ -90,6 +114,7 @@ class PreferenceRows:
     rows: list[PreferenceRow]
     source: str
     lines: list[int] | None = None
+    users: list[str] | None = None
 
 
 class PreferenceDataModule(LightningDataModule):
@@ -115,6 +140,11 @@ class PreferenceDataModule(LightningDataModule):
         builtin_train_size: training pairs of the built-in set.
         builtin_val_size: validation pairs of the built-in set.
         seed: seed of the built-in set.
+        privacy_unit: ``"pair"`` (each preference pair is protected) or ``"user"`` (each user with all of its pairs:
+            DP-SGD samples users at q = ``batch_size`` / users and clips each user's pairs as one unit).
+        user_column: the column naming each training pair's user (local files); the built-in set draws its own
+            users (1 to 8 consecutive pairs, from ``seed``).
+        max_rows_per_user: k, the most pairs of one sampled user in one step (drawn uniformly among its pairs).
     """
 
     def __init__(
@@ -135,9 +165,22 @@ class PreferenceDataModule(LightningDataModule):
         builtin_train_size: int = 2000,
         builtin_val_size: int = 200,
         seed: int = 0,
+        privacy_unit: Literal["pair", "user"] = "pair",
+        user_column: str | None = None,
+        max_rows_per_user: int = 1,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if privacy_unit not in ("pair", "user"):
+            raise ValueError(f"data.privacy_unit must be pair or user for dplit dpo, got {privacy_unit!r}")
+        check_user_settings("user", None, max_rows_per_user)  # k ≥ 1
+        if user_column is not None and privacy_unit != "user":
+            raise ValueError(
+                f"data.user_column={user_column!r} is set but data.privacy_unit='pair': set data.privacy_unit=user "
+                "for user-level DP over pairs (or drop data.user_column)"
+            )
+        if privacy_unit == "user" and user_column is None and train_file is not None:
+            raise ValueError("data.privacy_unit=user needs data.user_column: the column naming each pair's user")
         if dataset != BUILTIN and train_file is None:
             raise ValueError(f"data.dataset={dataset!r}: dplit dpo reads 'builtin' or local files (data.train_file)")
         if (train_file is None) != (val_file is None):
@@ -180,7 +223,10 @@ class PreferenceDataModule(LightningDataModule):
             if not pairs:
                 raise ValueError(f"{rows.source}: the {split} split has no preference pairs")
             rank_zero_info(f"{split}: {len(pairs)} preference pairs from {rows.source}")
-            self._datasets[split] = PreferenceDataset(pairs)
+            users = self._users(rows) if split == "train" else None
+            self._datasets[split] = PreferenceDataset(
+                pairs, users=users, max_rows_per_user=self.hparams.max_rows_per_user
+            )
         return self._datasets[split]
 
     @override
@@ -202,17 +248,28 @@ class PreferenceDataModule(LightningDataModule):
         return DataLoader(self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
                           num_workers=self.num_workers)  # fmt: skip
 
+    def _users(self, rows: PreferenceRows) -> list[int] | None:
+        """The training pairs' users, 0..U-1, under ``privacy_unit: user`` (the built-in set: a seeded assignment)."""
+        if self.hparams.privacy_unit != "user":
+            return None
+        ids = rows.users or synthetic_users(len(rows.rows), seed=self.hparams.seed, most_rows=SYNTHETIC_USER_PAIRS)
+        users = user_indices(ids)
+        warn_dominant_user(users, source=rows.source, quiet=private_diagnostics_off(self))
+        return users
+
     def _read(self, split: Split) -> PreferenceRows:
         hp = self.hparams
         limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
         if hp.train_file is not None:
-            return read_preference_file(Path(hp.train_file if split == "train" else hp.val_file).expanduser(), limit)
+            user_column = hp.user_column if split == "train" and hp.privacy_unit == "user" else None
+            file = Path(hp.train_file if split == "train" else hp.val_file).expanduser()
+            return read_preference_file(file, limit, user_column=user_column)
         size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
         rows = make_preference_split(split, size if limit is None else min(size, limit), hp.seed)
         return PreferenceRows(rows, f"builtin preference set [{split}, seed={hp.seed}]")
 
 
-def read_preference_file(path: Path, limit: int | None = None) -> PreferenceRows:
+def read_preference_file(path: Path, limit: int | None = None, *, user_column: str | None = None) -> PreferenceRows:
     """The ``prompt``, ``chosen`` and ``rejected`` columns of a local JSONL / JSON / CSV file (``files.py``'s readers).
 
     Raises:
@@ -225,7 +282,8 @@ def read_preference_file(path: Path, limit: int | None = None) -> PreferenceRows
     first = records_to_rows(path, records, COLUMNS)  # checks all three columns; gathers prompt and chosen
     rejected = records_to_rows(path, records, ("rejected",)).texts or []
     rows = [PreferenceRow(*values) for values in zip(first.prompts or [], first.responses or [], rejected, strict=True)]
-    return PreferenceRows(rows, str(path), first.lines)
+    users = [record_user(path, record, user_column) for record in records] if user_column is not None else None
+    return PreferenceRows(rows, str(path), first.lines, users)
 
 
 def encode_pairs(

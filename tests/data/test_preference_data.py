@@ -84,3 +84,22 @@ def test_txt_files_and_hub_datasets_are_refused(tmp_path: Path, tiny_bpe_dir: Pa
         PreferenceDataModule(train_file=str(path), val_file=str(path), tokenizer=str(tiny_bpe_dir)).dataset("train")
     with pytest.raises(ValueError, match="data.dataset='someone/prefs'"):
         PreferenceDataModule(dataset="someone/prefs")
+
+
+def test_user_level_pairs_share_their_users_unit(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    users = ["ann", "bob", "ann"]
+    path.write_text("".join(json.dumps({**pair, "who": user}) + "\n" for pair, user in zip(PAIRS, users, strict=True)))
+    data = PreferenceDataModule(train_file=str(path), val_file=str(path), tokenizer=str(tiny_bpe_dir), max_length=64,
+                                privacy_unit="user", user_column="who", max_rows_per_user=2)  # fmt: skip
+    dataset = data.dataset("train")
+    assert dataset.users == [0, 1, 0] and dataset.max_rows_per_user == 2
+    batch = data.collate_fn([dataset[i] for i in range(3)])
+    assert batch[UNIT_KEY].tolist() == [0, 0, 1, 1, 0, 0] and batch[CHOSEN_KEY].tolist() == [1, 0] * 3
+    micro = list(split_batch(batch, 4))  # ann's two pairs (four rows) stay together, chosen before rejected
+    assert micro[0][CHOSEN_KEY].tolist() == [1, 0, 1, 0] and micro[0][UNIT_KEY].tolist() == [0, 0, 0, 0]
+    assert data.dataset("validation").users is None
+    with pytest.raises(ValueError, match="data.user_column='who' is set but data.privacy_unit='pair'"):
+        PreferenceDataModule(train_file=str(path), val_file=str(path), tokenizer=str(tiny_bpe_dir), user_column="who")
+    with pytest.raises(ValueError, match="data.privacy_unit=user needs data.user_column"):
+        PreferenceDataModule(train_file=str(path), val_file=str(path), tokenizer=str(tiny_bpe_dir), privacy_unit="user")

@@ -160,3 +160,19 @@ def test_frozen_copy_is_outside_parameters_state_and_clipping() -> None:
         losses.append(loss.item())
     assert model.reference.digest(model.backbone) == before
     assert losses[-1] < losses[0]  # the policy moved away from the reference, towards the chosen answers
+
+
+@pytest.mark.parametrize(("family", "policy"), [("gpt2", "tied"), ("llama", "lora")])
+def test_user_level_clips_all_of_a_users_pairs_as_one_unit(family: str, policy: str) -> None:
+    model = tiny_preference_model(family, policy)
+    _nudge(model)
+    batch = pair_batch(pairs=4)
+    batch[UNIT_KEY] = torch.tensor([7, 7, 7, 7, 3, 3, 9, 9])  # user 7 owns the first two pairs
+    grads = per_unit_gradients(model, model.per_example_loss, without_units(batch), batch[UNIT_KEY])
+    assert len(grads) == 3
+    for clip in (1e6, 1e-3):
+        stats, ghost = run(GhostEngine(model, max_grad_norm=clip), model, model.per_example_loss, batch)
+        assert_close(stats.norms, gradient_norms(grads), rtol=1e-9)
+        expected = clipped_sum(grads, clip)
+        for name, grad in ghost.items():
+            assert_close(grad, expected[name], rtol=1e-9)

@@ -42,3 +42,15 @@ def test_dpo_quickstart_learns_the_preference_privately_and_its_card_says_pair(t
                                    "--output_file", str(tmp_path / "samples.jsonl"))  # fmt: skip
     assert samples.returncode == 0, samples.stderr
     assert "differentially private per preference pair" in samples.stdout + samples.stderr
+
+
+@pytest.mark.slow
+def test_user_level_dpo_samples_and_accounts_users(tmp_path: Path) -> None:
+    args = dpo_args(tmp_path, "--data.builtin_train_size", "300", "--data.batch_size", "20", "--trainer.max_epochs", "1",
+                    "--data.privacy_unit", "user", "--data.max_rows_per_user", "2")  # fmt: skip
+    cli = run_dpo_cli(["fit", *args])
+    dpsgd, dataset = cli.trainer.strategy.dpsgd, cli.datamodule.dataset("train")
+    users = len(set(dataset.users))
+    assert dpsgd.dataset_size == users < len(dataset) and dpsgd.sample_rate == pytest.approx(20 / users)
+    ledger = json.loads(next(tmp_path.rglob("privacy_ledger.json")).read_text())
+    assert ledger["privacy_unit"] == "user" and ledger["users"] == users and ledger["max_rows_per_user"] == 2
