@@ -176,3 +176,16 @@ def test_user_level_clips_all_of_a_users_pairs_as_one_unit(family: str, policy: 
         expected = clipped_sum(grads, clip)
         for name, grad in ghost.items():
             assert_close(grad, expected[name], rtol=1e-9)
+
+
+@pytest.mark.parametrize(("family", "policy"), [("gpt2", "tied"), ("llama", "lora")])
+def test_pairs_are_exact_under_activation_checkpointing(family: str, policy: str) -> None:
+    model = tiny_preference_model(family, policy, gradient_checkpointing=True)
+    _nudge(model)
+    batch = pair_batch(seed=5)
+    grads = per_unit_gradients(model, model.per_example_loss, without_units(batch), batch[UNIT_KEY])
+    stats, ghost = run(GhostEngine(model, max_grad_norm=0.5), model, model.per_example_loss, batch)
+    assert_close(stats.norms, gradient_norms(grads), rtol=1e-9)
+    expected = clipped_sum(grads, 0.5)
+    for name, grad in ghost.items():
+        assert_close(grad, expected[name], rtol=1e-9)
