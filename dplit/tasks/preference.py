@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
 from typing_extensions import override
 
@@ -61,7 +62,12 @@ class PreferenceModel(CausalLMModule):
 
     @override
     def setup(self, stage: str) -> None:
-        """Refuse the per-example engine: it traces one row at a time, and a pair's loss needs both of its rows."""
+        """Refuse the per-example engine (it traces one row at a time; a pair's loss needs both) and sharding."""
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            raise ValueError(
+                f"dplit dpo does not run under {type(self.trainer.strategy).__name__} yet (its reference is not "
+                "sharded): use dplit.strategy.DPStrategy"
+            )
         settings = getattr(self.trainer.strategy, "settings", None)
         if getattr(settings, "clipping", None) == "per_example":
             owner = type(self.trainer.strategy).__name__

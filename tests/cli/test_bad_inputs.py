@@ -355,6 +355,7 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("dpo-empty-rejected", dpo_files("train.csv", 'prompt,chosen,rejected\nReview:,It was great.,\n'), r"^.*train\.csv, row 1 \(line 2\): empty rejected answer$"),
     ("dpo-chosen-equals-rejected", dpo_files("train.jsonl", '{"prompt": "Review:", "chosen": "It was fine.", "rejected": "It was fine."}\n'), r"^.*train\.jsonl, row 1: the chosen and rejected answers are the same: the pair prefers nothing$"),
     ("dpo-prompt-too-long", dpo_files("train.jsonl", '{"prompt": "' + "the movie was great and " * 4 + '", "chosen": "Yes.", "rejected": "No."}\n'), r"^.*train\.jsonl, row 1: the prompt is \d+ tokens, leaving no room for the answers within data\.max_length=16$"),
+    ("dpo-mistyped-subcommand", lambda scratch, tokenizer, run: ["dpo", "fti", *dpo_args(run)], r"^invalid choice: 'fti' \(did you mean 'dplit dpo fit'\?\)"),
     ("dpo-beta-zero", dpo_flags("--model.beta", "0"), r"^model\.beta=0(\.0)?: must be a finite number > 0"),
     ("dpo-per-example-clipping", dpo_flags("--trainer.strategy.init_args.clipping", "per_example"), r"^DPStrategy\.clipping=per_example traces one row at a time, but a preference pair's loss needs both"),
     # the privacy audit: dplit audit and dplit lm audit

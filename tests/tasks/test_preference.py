@@ -189,3 +189,14 @@ def test_pairs_are_exact_under_activation_checkpointing(family: str, policy: str
     expected = clipped_sum(grads, 0.5)
     for name, grad in ghost.items():
         assert_close(grad, expected[name], rtol=1e-9)
+
+
+def test_sharded_strategies_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    model = tiny_preference_model("gpt2", "tied")
+    model._trainer = SimpleNamespace(strategy=ModelParallelStrategy())  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="dplit dpo does not run under ModelParallelStrategy yet"):
+        model.setup("fit")
