@@ -17,12 +17,18 @@ import yaml
 from jsonargparse import Namespace
 
 from dplit.data import GlueDataModule
+from dplit.data.preference import PreferenceDataModule
 from dplit.data.text import TextDataModule
 from dplit.strategy.hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
+from dplit.tasks.preference import PreferenceModel
 
-COMMANDS = {"dplit fit": (CausalLMClassifier, GlueDataModule), "dplit lm fit": (CausalLanguageModel, TextDataModule)}
+COMMANDS = {
+    "dplit fit": (CausalLMClassifier, GlueDataModule),
+    "dplit lm fit": (CausalLanguageModel, TextDataModule),
+    "dplit dpo fit": (PreferenceModel, PreferenceDataModule),
+}
 """The command of each kind of run → its model and data classes, whose arguments its config sets."""
 
 

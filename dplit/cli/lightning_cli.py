@@ -38,12 +38,14 @@ from dplit.cli.run_summary import (
     run_summary,
 )
 from dplit.data import GlueDataModule
+from dplit.data.preference import PreferenceDataModule
 from dplit.data.text import TextDataModule
 from dplit.privacy.warnings import PrivacyWarning
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.strategy.hooks import DPSGDHooks
 from dplit.tasks.classifier import CausalLMClassifier
 from dplit.tasks.language_model import CausalLanguageModel
+from dplit.tasks.preference import PreferenceModel
 
 
 class DPLitArgumentParser(LightningArgumentParser):
@@ -216,6 +218,16 @@ class DPLitLMCLI(DPLitCLI):
         return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate")}
 
 
+class DPLitDPOCLI(DPLitLMCLI):
+    """The ``dplit dpo`` command: PreferenceModel on PreferenceDataModule (vocabulary size and length linked)."""
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test`` (the validation pairs)."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name in ("fit", "validate", "test")}
+
+
 def run_cli(args: ArgsType = None) -> DPLitCLI:
     """Parse ``args`` (default ``sys.argv[1:]``), run the subcommand and return the CLI (trainer, model, data)."""
     return DPLitCLI(CausalLMClassifier, GlueDataModule, parser_class=DPLitArgumentParser, args=args)
@@ -224,3 +236,8 @@ def run_cli(args: ArgsType = None) -> DPLitCLI:
 def run_lm_cli(args: ArgsType = None) -> DPLitLMCLI:
     """Like :func:`run_cli`, for private next-token fine-tuning (``dplit lm fit --config configs/lm_X.yaml``)."""
     return DPLitLMCLI(CausalLanguageModel, TextDataModule, parser_class=DPLitArgumentParser, args=args)
+
+
+def run_dpo_cli(args: ArgsType = None) -> DPLitDPOCLI:
+    """Like :func:`run_cli`, for private preference tuning (``dplit dpo fit --config configs/dpo_quickstart.yaml``)."""
+    return DPLitDPOCLI(PreferenceModel, PreferenceDataModule, parser_class=DPLitArgumentParser, args=args)

@@ -23,7 +23,7 @@ from dplit.cli.launch import (
     inherited_message,
     process_group_initialized,
 )
-from dplit.cli.lightning_cli import run_cli, run_lm_cli
+from dplit.cli.lightning_cli import run_cli, run_dpo_cli, run_lm_cli
 from dplit.cli.terminal import dependency_refusal, front_door, terminal_output
 from dplit.release.commands import export_main, generate_main
 
@@ -49,6 +49,10 @@ RUNNERS: dict[str, Runner] = {
     "lm generate": generate_main,
     "": run_cli,  # flags before the command (``dplit -c run.yaml fit``): LightningCLI finds the subcommand among them
     "lm": run_lm_cli,
+    "dpo fit": lightning(run_dpo_cli, "fit"),
+    "dpo validate": lightning(run_dpo_cli, "validate"),
+    "dpo test": lightning(run_dpo_cli, "test"),
+    "dpo": run_dpo_cli,
 }
 """Every command of :data:`dplit.cli.terminal.COMMANDS` (and a group whose flags come first) → what runs it."""
 
@@ -57,7 +61,7 @@ REFUSALS = (ValueError, TypeError, FloatingPointError, FileNotFoundError)
 
 
 def main(args: ArgsType = None) -> None:
-    """Entry point of ``dplit fit|validate|test|audit|export`` and ``dplit lm fit|validate|audit|generate|export``.
+    """Entry point of ``dplit fit|...``, ``dplit lm fit|validate|audit|generate|export``, ``dplit dpo fit|...``.
 
     ``dplit``, ``dplit --help`` and an unknown command are answered by :func:`dplit.cli.terminal.front_door` (one
     help listing every command; a did-you-mean).
@@ -98,7 +102,7 @@ def split_command(argv: list[str]) -> tuple[str, list[str]]:
     When a flag comes before the command (``dplit -c run.yaml fit``) the command is its group, ``""`` or ``"lm"``,
     and the arguments are all that follow the group.
     """
-    group = argv[:1] if argv[:1] == ["lm"] else []
+    group = argv[:1] if argv[:1] in (["lm"], ["dpo"]) else []
     words = argv[len(group) :]
     if words and not words[0].startswith("-"):
         return " ".join([*group, words[0]]), words[1:]

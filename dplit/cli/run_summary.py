@@ -9,7 +9,7 @@ from typing import Any
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from dplit.privacy.composition import mixed_epsilon, mixed_units, protected_unit, smallest_delta
+from dplit.privacy.composition import PER_UNIT, mixed_epsilon, mixed_units, protected_unit, smallest_delta
 from dplit.privacy.ledger import LEDGER_FILE
 from dplit.strategy.hooks import DPSGDHooks
 from dplit.strategy.interrupted_run import INTERRUPT_CHECKPOINT
@@ -120,5 +120,5 @@ def privacy_spent(strategy: Any) -> str:
             f"ε={mixed_epsilon(segments, delta=delta):.4g} at δ={delta:.3g} per training example after "
             f"{accountant.steps} DP steps (the segments over users counted as replace-one, by dp-accounting's PLD)"
         )
-    unit = "per user" if protected_unit(segments) == "user" else "per training example"
+    unit = PER_UNIT[protected_unit(segments)]
     return f"ε={accountant.epsilon():.4g} at δ={accountant.delta:.3g} {unit} after {accountant.steps} DP steps"

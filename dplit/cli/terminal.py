@@ -28,10 +28,15 @@ COMMANDS = {
     "lm audit": "the privacy audit of dplit audit, for a language model",
     "lm export": "export a language-model checkpoint (as dplit export)",
     "lm generate": "sample synthetic text from an exported private language model",
+    "dpo fit": "preference-tune a causal language model privately (DPO), one preference pair per privacy unit",
+    "dpo validate": "DPO loss, reward accuracy and margins of a preference model on the validation pairs",
+    "dpo test": "as dpo validate (the validation pairs)",
 }
 """Every ``dplit`` command → one line saying what it does."""
 
 HELP_FLAGS = ("-h", "--help")
+GROUPS = ("lm", "dpo")
+"""The command groups: ``dplit lm ...``, ``dplit dpo ...``."""
 
 
 def help_text() -> str:
@@ -49,6 +54,7 @@ def help_text() -> str:
         "dplit <command> --help lists every flag of a command. Start with:",
         "  dplit fit --config configs/quickstart.yaml",
         "  dplit lm fit --config configs/lm_quickstart.yaml",
+        "  dplit dpo fit --config configs/dpo_quickstart.yaml",
     ])  # fmt: skip
 
 
@@ -58,7 +64,7 @@ def front_door(argv: list[str]) -> int | None:
     Returns:
         The exit status when it answered (help: 0, an unknown command: 2), ``None`` to run the command.
     """
-    words = argv[1:] if argv[:1] == ["lm"] else argv
+    words = argv[1:] if argv[:1] and argv[0] in GROUPS else argv
     if not words or words[0] in HELP_FLAGS:
         print(help_text())
         return 0
@@ -73,11 +79,11 @@ def front_door(argv: list[str]) -> int | None:
 
 def unknown_command(argv: list[str]) -> str | None:
     """The one-line refusal of a command ``argv`` does not start with (with a did-you-mean); ``None`` if it does."""
-    lm = argv[:1] == ["lm"]
+    lm = bool(argv[:1]) and argv[0] in GROUPS
     given = " ".join(argv[:2]) if lm else argv[0]
     if given in COMMANDS:
         return None
-    candidates = [name for name in COMMANDS if name.startswith("lm ")] if lm else list(COMMANDS)
+    candidates = [name for name in COMMANDS if name.startswith(f"{argv[0]} ")] if lm else list(COMMANDS)
     close = difflib.get_close_matches(given, candidates, n=1, cutoff=0.7)
     hint = f" (did you mean 'dplit {close[0]}'?)" if close else ""
     return f"invalid choice: {argv[1 if lm else 0]!r}{hint}; the commands: {', '.join(COMMANDS)} (dplit --help)"

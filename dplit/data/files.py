@@ -117,10 +117,10 @@ def read_rows(
     rows = records_to_rows(path, records, columns)
     if user_column is None:
         return rows
-    return replace(rows, users=[_record_user(path, record, user_column) for record in records])
+    return replace(rows, users=[record_user(path, record, user_column) for record in records])
 
 
-def _record_user(path: Path, record: Record, column: str) -> str:
+def record_user(path: Path, record: Record, column: str) -> str:
     """A record's user id (a string or an integer), refusing a missing or blank one (never printing an id)."""
     where = f"{record.unit} {record.number}"
     value = record.columns.get(column)

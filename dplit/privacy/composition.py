@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from dplit.privacy.accounting.relations import RelatedSegment, epsilon_composed
 
-Unit = Literal["user", "example"]
+Unit = Literal["user", "pair", "example"]
 
 
 def dp_segments(segments: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -24,9 +24,16 @@ def dp_segments(segments: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 
 def protected_unit(segments: Iterable[Mapping[str, Any]]) -> Unit:
-    """``"user"`` when there are DP segments and every one protected users, else ``"example"``."""
+    """``"user"`` (``"pair"``) when every one of the DP segments protected users (preference pairs), else ``"example"``."""
     dp = dp_segments(segments)
-    return "user" if dp and all(segment.get("privacy_unit") == "user" for segment in dp) else "example"
+    for unit in ("user", "pair"):
+        if dp and all(segment.get("privacy_unit") == unit for segment in dp):
+            return unit  # type: ignore[return-value]
+    return "example"
+
+
+PER_UNIT = {"user": "per user", "pair": "per preference pair", "example": "per training example"}
+"""How the end-of-fit line, the export line and ``dplit lm generate`` say the unit ε is per."""
 
 
 def mixed_units(segments: Iterable[Mapping[str, Any]]) -> bool:

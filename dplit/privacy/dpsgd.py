@@ -47,6 +47,7 @@ from dplit.privacy.run_facts import (
     MECHANISM_FACTS,
     ledger_facts,
     mechanism_changes,
+    row_unit_of,
     segment_facts,
     start_line,
     unit_facts,
@@ -109,6 +110,7 @@ class DPSGD:
         """N, the training units Poisson sampling draws from (set by :meth:`sample`)."""
         self._rows: IndexedRows | None = None
         self._users: UserLevel | None = None
+        self._unit = "example"  # without users: "example" or "pair" (each item of the dataset one unit)
         self._restored: dict[str, Any] = {}  # the resumed checkpoint's ledger facts
         self._counting_open = False  # True while the before-noise hooks run: count_units may add to the count
         self._buffer: GradientBuffer | None = None
@@ -126,6 +128,7 @@ class DPSGD:
         is the number of users, ``batch_size`` the expected users per batch, and each user is clipped as one unit.
         """
         self._users = user_level_of(loader.dataset)
+        self._unit = row_unit_of(loader.dataset)
         units = self._users.users if self._users is not None else len(loader.dataset)  # type: ignore[arg-type]
         self.dataset_size, self.sample_rate = size_and_rate(loader, units, users=self._users is not None)
         self._rows = loader.dataset  # type: ignore[assignment]
@@ -312,7 +315,7 @@ class DPSGD:
         return ledger_facts(
             self.settings, history=self.history, noise=self.noise_source, bound=self.bound, users=self._users,
             sigma=self.noise_multiplier, sample_rate=self.sample_rate, dataset_size=self.dataset_size,
-            epsilon_steps=self.budget.epsilon_steps,
+            epsilon_steps=self.budget.epsilon_steps, unit=self._unit,
         )  # fmt: skip
 
     # --- inside ----------------------------------------------------------------------------------------------------
@@ -339,13 +342,13 @@ class DPSGD:
     def _segment_facts(self) -> dict[str, Any]:
         return segment_facts(
             self.settings, dataset_size=self.dataset_size, delta=self.budget.accountant.delta, noise=self.noise_source,
-            users=self._users, bound=self.bound,
+            users=self._users, bound=self.bound, unit=self._unit,
         )  # fmt: skip
 
     def _say_mechanism_changes(self) -> None:
         """Say in one line what a resume changes of the resumed run's mechanism (clipping mode, C, k)."""
         now = {
-            **unit_facts(self._users, diagnostics=False),
+            **unit_facts(self._users, diagnostics=False, unit=self._unit),
             **self.bound.facts(),
             "max_grad_norm": self.settings.max_grad_norm,
         }

@@ -19,20 +19,29 @@ MECHANISM_FACTS = ("clip_mode", "max_grad_norm", "max_rows_per_user")
 """The facts of a run's mechanism a resume may change (said in one line; the privacy unit and N it may not)."""
 
 
-def unit_facts(users: UserLevel | None, *, diagnostics: bool) -> dict[str, Any]:
-    """The privacy unit's facts: ``example``, or the user-level counts (``diagnostics``: the largest user's rows)."""
-    return {"privacy_unit": "example"} if users is None else users.facts(private_diagnostics=diagnostics)
+PAIR_UNIT = "pair"
+"""The privacy unit of a dataset of preference pairs (each item two rows clipped as one unit)."""
+
+
+def row_unit_of(dataset: object) -> str:
+    """The unit a dataset without users samples and clips by: ``"pair"`` when it declares pairs, else ``"example"``."""
+    return PAIR_UNIT if getattr(dataset, "privacy_unit", None) == PAIR_UNIT else "example"
+
+
+def unit_facts(users: UserLevel | None, *, diagnostics: bool, unit: str = "example") -> dict[str, Any]:
+    """The unit's facts: ``unit`` (``example``, ``pair``), or the user-level counts (``diagnostics``: largest user's rows)."""
+    return {"privacy_unit": unit} if users is None else users.facts(private_diagnostics=diagnostics)
 
 
 def segment_facts(
     settings: DPSGDSettings, *, dataset_size: int | None, delta: float, noise: NoiseSource, users: UserLevel | None,
-    bound: FixedBound,
+    bound: FixedBound, unit: str = "example",
 ) -> dict[str, Any]:  # fmt: skip
     """A run's public parameters, as its segment of the weights' privacy history records them (no diagnostic)."""
     return {
         "max_grad_norm": settings.max_grad_norm, "dataset_size": dataset_size, "delta": delta,
         "mechanism": settings.accountant, "noise": noise.describe(), "noise_secure": noise.secure,
-        **unit_facts(users, diagnostics=False), **bound.facts(),
+        **unit_facts(users, diagnostics=False, unit=unit), **bound.facts(),
     }  # fmt: skip
 
 
@@ -56,7 +65,7 @@ def mechanism_changes(restored: dict[str, Any], now: dict[str, Any], *, mode: st
 def ledger_facts(
     settings: DPSGDSettings, *, history: PrivacyHistory, noise: NoiseSource, bound: FixedBound,
     users: UserLevel | None, sigma: float | None, sample_rate: float | None, dataset_size: int | None,
-    epsilon_steps: int,
+    epsilon_steps: int, unit: str = "example",
 ) -> dict[str, Any]:  # fmt: skip
     """What a run's ledger records beside the accountant's history (never a seed; diagnostics as the settings say)."""
     reason = history.reason_not_private()
@@ -67,7 +76,7 @@ def ledger_facts(
         "dataset_size": dataset_size, "target_epsilon": settings.target_epsilon, "expected_batch_size": expected,
         "epsilon_steps": epsilon_steps, "sampling": "poisson", **bound.facts(), **bound.state_dict(),
         **(gradient_noise if bound.mode == "quantile" else {}),
-        **unit_facts(users, diagnostics=settings.private_diagnostics),
+        **unit_facts(users, diagnostics=settings.private_diagnostics, unit=unit),
         "clipping": settings.clipping, "tied_norm": settings.tied_norm, "noise": noise.describe(),
         "noise_secure": noise.secure and history.noise_secure,
         "differentially_private": reason is None and bool(sigma), "reason_not_private": reason,

@@ -135,6 +135,8 @@ def _statement(g: dict[str, Any]) -> str:
     """The guarantee in one paragraph: unit, N per dataset, sampling, clipping, noise, steps, relation, start."""
     users = _per_user(g)  # user-level DP: the unit, N and q are users
     unit, units = ("user", "users") if users else ("example", "rows")
+    if g.get("protected_unit") == "pair":
+        unit, units = "preference pair", "pairs"
     return (
         f"The weights in this folder are ({g['epsilon']:.4g}, {g['delta']:.3g})-differentially private with respect "
         f"to {g['privacy_unit']}{_of_n(g, units)}: DP-SGD with {g['sampling']} sampling ({_rate(g, units)}), "

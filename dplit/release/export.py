@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 from dplit.backbone.adapters import adapter_parameters
 from dplit.backbone.embeddings import is_tied
 from dplit.data.tasks import get_task
+from dplit.privacy.composition import PER_UNIT
 from dplit.privacy.export_seal import seal_export
 from dplit.release.card import model_card
 from dplit.release.checkpoint import check_checkpoint_file
@@ -236,7 +237,7 @@ def _save_classifier(trained: TrainedModel, folder: Path) -> None:
 def export_summary(folder: Path, guarantee: dict[str, Any]) -> str:
     """The line the command prints: where the export went and its guarantee."""
     if guarantee["differentially_private"]:
-        unit = "per user" if guarantee.get("protected_unit") == "user" else "per training example"
+        unit = PER_UNIT.get(guarantee.get("protected_unit", "example"), PER_UNIT["example"])
         epsilon, delta = guarantee["epsilon"], guarantee["delta"]
         return f"exported to {folder}: (ε = {epsilon:.4g}, δ = {delta:.3g})-DP {unit}, see README.md"
     return f"exported to {folder}: NOT differentially private ({guarantee['reason']})"

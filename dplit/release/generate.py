@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dplit.data.files import read_records, records_to_rows
 from dplit.numbers import is_finite_number, require_finite_number
+from dplit.privacy.composition import PER_UNIT
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.release.trained import load_trained
@@ -335,9 +336,9 @@ def privacy_line(guarantee: dict[str, Any] | None, count: int) -> str:
         return f"the {count} samples' privacy is UNKNOWN: the model folder has no {GUARANTEE_FILE}"
     if not guarantee.get("differentially_private"):
         return f"the {count} samples are NOT differentially private: the model is not ({guarantee.get('reason')})"
-    per_user = guarantee.get("protected_unit", "user" if "users" in guarantee else "example") == "user"
+    unit = guarantee.get("protected_unit", "user" if "users" in guarantee else "example")
     return (
         f"the {count} samples are (ε = {guarantee['epsilon']:.4g}, δ = {guarantee['delta']:.3g})-differentially "
-        f"private {'per user' if per_user else 'per training example'}, as the model is (post-processing of its "
+        f"private {PER_UNIT.get(unit, PER_UNIT['example'])}, as the model is (post-processing of its "
         "weights and public prompts only)"
     )

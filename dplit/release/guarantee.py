@@ -32,6 +32,10 @@ MIXED_RELATION = (
 MIXED_ACCOUNTANT = "dp-accounting PLD, each segment under its own relation (opacus' PRV composes one relation only)"
 NEVER_PRIVATE = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
 PRIVACY_UNIT = "one training example (one row of the training data)"
+PAIR_UNIT = (
+    "one preference pair (a prompt with its chosen and rejected answers: their two rows are clipped together as one "
+    "unit)"
+)
 GROUP_PRIVACY = "groups of rows: a person with k rows in the training data is protected at about k·ε"
 NOT_COVERED = (
     "choosing hyperparameters (learning rate, C, epochs, ...) by runs on the private data: each such run spends "
@@ -232,13 +236,18 @@ def _dataset_sizes(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[int]:
 def _units_per_dataset(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[list[Any]]:
     """Every distinct (N, what N counts: ``"rows"`` or ``"users"``) of the DP segments, in order."""
     pairs = [
-        (segment.get("dataset_size"), "users" if segment.get("privacy_unit") == "user" else "rows")
+        (segment.get("dataset_size"), _counted(segment.get("privacy_unit")))
         for segment in dp
         if segment.get("dataset_size") is not None
     ]
     if not pairs and last.get("dataset_size") is not None:
-        pairs = [(last["dataset_size"], "users" if last.get("privacy_unit") == "user" else "rows")]
+        pairs = [(last["dataset_size"], _counted(last.get("privacy_unit")))]
     return [list(pair) for pair in dict.fromkeys(pairs)]
+
+
+def _counted(unit: str | None) -> str:
+    """What a segment's N counts: ``"users"``, ``"pairs"`` (preference pairs) or ``"rows"``."""
+    return {"user": "users", "pair": "pairs"}.get(unit or "", "rows")
 
 
 def _diagnostics(ledger: dict[str, Any] | None, unit: str) -> dict[str, Any]:
@@ -259,11 +268,13 @@ def privacy_unit_text(unit: str, facts: dict[str, Any], *, asked: bool = False) 
     """What one unit of protection is: a training row, or a user with all of its rows.
 
     Args:
-        unit: ``"user"`` or ``"example"`` (:func:`~dplit.privacy.composition.protected_unit`).
+        unit: ``"user"``, ``"pair"`` or ``"example"`` (:func:`~dplit.privacy.composition.protected_unit`).
         facts: the users' k (``max_rows_per_user``, ``None`` when it differs between segments) and the largest
             user's row count when it is published.
         asked: whether the export asked for private diagnostics (``--publish_private_diagnostics``).
     """
+    if unit == "pair":
+        return PAIR_UNIT
     if unit != "user":
         return PRIVACY_UNIT
     k = facts.get("max_rows_per_user")

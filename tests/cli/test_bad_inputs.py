@@ -25,7 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from dplit.data.tokenizer import load_tokenizer
 from dplit.strategy import DPStrategy
-from tests.helpers.commands import CONFIGS, TINY, checkpoint_of, lm_args, lora_on, quickstart_args, steps
+from tests.helpers.commands import CONFIGS, TINY, checkpoint_of, dpo_args, lm_args, lora_on, quickstart_args, steps
 from tests.helpers.executable import dplit_executable, run_dplit_in_process, user_environment
 from tests.helpers.fitting import make_model
 from tests.helpers.glue_files import SST2_HEADER, SST2_ROWS, write_glue_task
@@ -53,6 +53,27 @@ def lm_flags(*extra: str) -> Setup:
 def lm_hub_dataset(name: str) -> Setup:
     """``dplit lm fit`` on the hub dataset ``name`` (offline: see :data:`ROW_ENVIRONMENTS`), the tiny BPE tokenizer."""
     return lambda scratch, tokenizer, run: ["lm", "fit", *lm_args(run, "--data.dataset", name, "--data.tokenizer", str(tokenizer))]
+
+
+def dpo_flags(*extra: str) -> Setup:
+    """``dplit dpo fit`` on the DPO quickstart config, plus ``extra``."""
+    return lambda scratch, tokenizer, run: ["dpo", "fit", *dpo_args(run), *extra]
+
+
+GOOD_PAIR = '{"prompt": "Review:", "chosen": "It was great.", "rejected": "It was bad."}\n'
+
+
+def dpo_files(name: str, train: str, *extra: str) -> Setup:
+    """``dplit dpo fit`` with scratch/``name`` = ``train``, a one-pair val.jsonl and the tiny BPE tokenizer."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        (scratch / name).write_text(train)
+        (scratch / "val.jsonl").write_text(GOOD_PAIR)
+        files = ["--data.tokenizer", str(tokenizer), "--data.train_file", str(scratch / name),
+                 "--data.val_file", str(scratch / "val.jsonl")]
+        return ["dpo", "fit", *dpo_args(run), *files, *extra]
+
+    return setup
 
 
 def auditing(*extra: str) -> Setup:
@@ -362,6 +383,15 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("lm-lora-target-typo", lm_flags("--model.peft", lora_on("c_atn")), r"^model\.peft: Target modules \{'c_atn'\} not found"),
     ("lora-alpha-zero", flags("--model.peft", '{"class_path": "peft.LoraConfig", "init_args": {"r": 4, "lora_alpha": 0, "target_modules": ["c_attn"]}}'), r"^model\.peft\.init_args\.lora_alpha=0 scales every LoRA adapter's output by lora_alpha/r = 0"),
     ("peft-not-installed", flags("--model.peft", lora_on("c_attn")), r"^model\.peft needs the 'peft' package, which is not installed: pip install peft$"),
+    # preference tuning: dplit dpo fit
+    ("dpo-missing-column", dpo_files("train.jsonl", '{"prompt": "Review:", "chosen": "It was great."}\n'), r"^.*train\.jsonl: missing column\(s\) \['rejected'\]; the file has \['prompt', 'chosen'\]$"),
+    ("dpo-empty-chosen", dpo_files("train.jsonl", GOOD_PAIR + '{"prompt": "Review:", "chosen": " ", "rejected": "It was bad."}\n'), r"^.*train\.jsonl, row 2: empty chosen answer$"),
+    ("dpo-empty-rejected", dpo_files("train.csv", 'prompt,chosen,rejected\nReview:,It was great.,\n'), r"^.*train\.csv, row 1 \(line 2\): empty rejected answer$"),
+    ("dpo-chosen-equals-rejected", dpo_files("train.jsonl", '{"prompt": "Review:", "chosen": "It was fine.", "rejected": "It was fine."}\n'), r"^.*train\.jsonl, row 1: the chosen and rejected answers are the same: the pair prefers nothing$"),
+    ("dpo-prompt-too-long", dpo_files("train.jsonl", '{"prompt": "' + "the movie was great and " * 4 + '", "chosen": "Yes.", "rejected": "No."}\n'), r"^.*train\.jsonl, row 1: the prompt is \d+ tokens, leaving no room for the answers within data\.max_length=16$"),
+    ("dpo-mistyped-subcommand", lambda scratch, tokenizer, run: ["dpo", "fti", *dpo_args(run)], r"^invalid choice: 'fti' \(did you mean 'dplit dpo fit'\?\)"),
+    ("dpo-beta-zero", dpo_flags("--model.beta", "0"), r"^model\.beta=0(\.0)?: must be a finite number > 0"),
+    ("dpo-per-example-clipping", dpo_flags("--trainer.strategy.init_args.clipping", "per_example"), r"^DPStrategy\.clipping=per_example traces one row at a time, but a preference pair's loss needs both"),
     # the privacy audit: dplit audit and dplit lm audit
     ("audit-one-canary", auditing("--audit.canaries", "1"), r"^audit\.canaries must be an integer ≥ 2, got 1$"),
     ("audit-two-canaries", auditing("--audit.canaries", "2"), r"^audit\.canaries=2 cannot refute any claim at 95% confidence: all 2 guesses right happen by chance with probability 2\^-2 = 0\.25; use at least 5"),

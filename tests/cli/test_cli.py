@@ -67,7 +67,9 @@ def test_glue_config_runs_one_private_step_offline(config: Path, tmp_path: Path,
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.stem)
 def test_config_has_header_with_exact_command(config: Path) -> None:
     header = config.read_text().split("\n\n")[0]
-    command = "dplit lm fit" if "task" not in yaml.safe_load(config.read_text())["data"] else "dplit fit"
+    settings = yaml.safe_load(config.read_text())
+    command = "dplit lm fit" if "task" not in settings["data"] else "dplit fit"
+    command = "dplit dpo fit" if "beta" in settings["model"] else command
     assert header.startswith("# ") and f"{command} --config configs/{config.name}" in header
 
 
@@ -152,7 +154,7 @@ def test_every_command_of_the_help_has_a_runner() -> None:
     from dplit.cli.main import RUNNERS
     from dplit.cli.terminal import COMMANDS
 
-    assert set(RUNNERS) == set(COMMANDS) | {"", "lm"}
+    assert set(RUNNERS) == set(COMMANDS) | {"", "lm", "dpo"}
 
 
 def test_main_runs_the_command_of_the_table_on_the_arguments_after_its_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,6 +98,15 @@ def lm_args(run: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def dpo_args(run: Path, *extra: str) -> list[str]:
+    """``dplit dpo fit`` arguments for the DPO quickstart config in ``run`` (a small built-in set), plus ``extra``."""
+    return [
+        "--config", str(CONFIGS / "dpo_quickstart.yaml"), "--trainer.default_root_dir", str(run),
+        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", "100", "--data.builtin_val_size", "20",
+        "--data.batch_size", "20", *extra,
+    ]  # fmt: skip
+
+
 def lora_on(*modules: str) -> str:
     """``--model.peft`` for rank-4 LoRA on ``modules``."""
     targets = ", ".join(f'"{module}"' for module in modules)

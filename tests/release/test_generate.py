@@ -307,3 +307,4 @@ def test_the_guarantee_line_names_the_unit() -> None:
     assert "private per user, as the model is" in privacy_line({**guarantee, "protected_unit": "user"}, 4)
     assert "private per user," in privacy_line({**guarantee, "users": 50}, 4)  # a dp_guarantee.json from before
     assert "private per training example," in privacy_line({**guarantee, "protected_unit": "example"}, 4)
+    assert "private per preference pair," in privacy_line({**guarantee, "protected_unit": "pair"}, 4)

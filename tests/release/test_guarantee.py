@@ -330,3 +330,14 @@ def test_a_refit_on_a_smaller_dataset_keeps_the_first_datasets_delta_and_n(tmp_p
     assert guarantee["epsilon"] > first["epsilon"] and guarantee["dataset_sizes"] == [200, 20]
     card = (tmp_path / "small" / "export" / "README.md").read_text()
     assert "of the 20 training rows" not in card and "N = 200 rows; N = 20 rows" in card
+
+
+def test_a_history_of_pair_segments_protects_a_pair_and_a_mixed_one_an_example() -> None:
+    """Issue 53: DPO segments protect one preference pair; beside row-level segments the claim is per example."""
+    from dplit.privacy.composition import PER_UNIT, protected_unit
+    from dplit.release.guarantee import PAIR_UNIT, privacy_unit_text
+
+    pair, row = {"kind": "dp", "privacy_unit": "pair"}, {"kind": "dp", "privacy_unit": "example"}
+    assert protected_unit([pair, pair]) == "pair" and PER_UNIT["pair"] == "per preference pair"
+    assert protected_unit([row, pair]) == "example" and protected_unit([]) == "example"
+    assert privacy_unit_text("pair", {}) == PAIR_UNIT and PAIR_UNIT.startswith("one preference pair")

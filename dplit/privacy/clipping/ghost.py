@@ -280,11 +280,15 @@ class GhostEngine(ClippingEngine):
     def parameter_norms(self, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor | None]:
         """Each trainable parameter's per-example gradient norm [B] by name (``None``: no covered layer used it).
 
-        Leaves ``param.grad`` untouched; used to check the engine against autograd on the user's model.
+        Leaves ``param.grad`` untouched; used to check the engine against autograd on the user's model. With
+        ``batch[UNIT_KEY]`` the norms are per unit [U], as :meth:`accumulate` clips them.
         """
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
-        losses, uses, recomputed = self._gradient_uses(loss_fn, batch, coverage, dtype, units=None)
+        units = units_of(batch)
+        losses, uses, recomputed = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype, units=units)
+        if units is not None:
+            uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
         with clipping_arithmetic(losses.device.type):
             squared = {**recomputed.squared, **self._squared_norms(uses)}
         return {name: squared[key].sqrt() if key in squared else None for key, (name, _) in coverage.parameters.items()}

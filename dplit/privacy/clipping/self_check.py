@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from dplit.privacy.clipping.engine import Batch, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.units import units_of, without_units
 
 
 class FirstBatchCheck:
@@ -59,10 +60,11 @@ def check_ghost_norms(
         engine: the ghost engine built for ``module``.
         module: the model being trained.
         loss_fn: the per-example loss the engine will clip.
-        batch: real examples; the first ``examples`` are used.
+        batch: real examples; the first ``examples`` are used (with ``batch[UNIT_KEY]``: the first ``examples``
+            units, whole, each compared as one example).
         examples: how many examples to compare.
     """
-    sample = {key: value[:examples] for key, value in batch.items()}
+    sample = _first_units(batch, examples)
     with DropoutDisabled():  # the module stays in its (train) mode: batch statistics and the like are seen
         reference = _autograd_norms(module, loss_fn, sample)  # first: it must see graphs a ghost pass would free
         ghost = engine.parameter_norms(loss_fn, sample)
@@ -75,15 +77,27 @@ def check_ghost_norms(
         _compare(name, ghost[name], expected, whole, tolerance, bound=engine.tied_norm == "bound")
 
 
+def _first_units(batch: Batch, count: int) -> Batch:
+    """The rows of ``batch``'s first ``count`` examples: its first rows, or (with units) its first units' rows."""
+    units = units_of(batch)
+    if units is None:
+        return {key: value[:count] for key, value in batch.items()}
+    rows = (units.unit < count).nonzero().flatten()
+    return {key: value[rows] for key, value in batch.items()}
+
+
 def _autograd_norms(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor]:
-    """Each trainable parameter's per-example gradient norm [k] from one backward per example."""
+    """Each trainable parameter's per-example (per-unit) gradient norm [k] from one backward per example (unit)."""
     params = trainable_parameters(module)
-    size = next(iter(batch.values())).shape[0]
+    units = units_of(batch)
+    size = next(iter(batch.values())).shape[0] if units is None else units.count
+    plain = without_units(batch)
     norms: dict[str, list[Tensor]] = {name: [] for name in params}
     for i in range(size):
-        example = {key: value[i : i + 1] for key, value in batch.items()}  # [1, ...] per field
+        rows = slice(i, i + 1) if units is None else (units.unit == i).nonzero().flatten()
+        example = {key: value[rows] for key, value in plain.items()}  # [rows of the example, ...] per field
         with torch.enable_grad():
-            loss = loss_fn(example)[0]
+            loss = loss_fn(example).sum()
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
         for name, grad in zip(params, grads, strict=True):
             norms[name].append(torch.zeros(()) if grad is None else grad.detach().double().norm().cpu())
