@@ -335,7 +335,7 @@ class DPSGD:
     def _announce(self, delta: float) -> None:
         say(self.world, start_line(self.settings, sigma=self.budget.noise_multiplier, sample_rate=self.sample_rate or 0.0,
                                    expected=self.expected_batch_size, delta=delta, steps=self.budget.steps,
-                                   noise=self.noise_source, users=self._users is not None))  # fmt: skip
+                                   noise=self.noise_source, unit="user" if self._users is not None else self._unit))  # fmt: skip
         if self.budget.noise_multiplier == 0:
             warn(self.world, NO_NOISE_WARNING.replace(FLAG_OWNER, self.settings.flag_owner, 1))
 

@@ -86,10 +86,10 @@ def ledger_facts(
 
 def start_line(
     settings: DPSGDSettings, *, sigma: float, sample_rate: float, expected: float, delta: float, steps: int,
-    noise: NoiseSource, users: bool,
+    noise: NoiseSource, unit: str,
 ) -> str:  # fmt: skip
-    """The line a DP-SGD run starts with: σ, C and its mode, q, the expected batch in its unit, δ, engine, noise."""
-    unit = "users" if users else "examples"
+    """The line a DP-SGD run starts with: σ, C and its mode, q, the expected batch in ``unit`` s, δ, engine, noise."""
+    unit = f"{unit}s"
     return (
         f"DP-SGD: σ={sigma:.4f}, {_clip_text(settings)}, q={sample_rate:.3g}, expected batch {expected:.1f} {unit}, "
         f"δ={delta:.3g}, clipping={settings.clipping}, steps so far {steps}, noise {noise.describe()}"
