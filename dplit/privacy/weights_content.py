@@ -99,20 +99,25 @@ def _canonical_forms(rows: Tensor) -> list[tuple[bytes, Any, list[int]]]:
         return [(str(rows.dtype).encode(), _bytes(rows), list(range(rows.shape[0])))]
     forms, left = [], torch.ones(rows.shape[0], dtype=torch.bool)
     for dtype in (torch.bfloat16, torch.float32, torch.float64):
-        narrow = rows.to(dtype)
-        if _holds_every(dtype, rows.dtype):
-            exact = left
-        else:
-            back = narrow.to(rows.dtype)
-            exact = left & ((back == rows) | (back.isnan() & rows.isnan())).all(dim=1)  # [rows]: round trips exactly
+        exact = left if _holds_every(dtype, rows.dtype) else left & _round_trips(rows, dtype)  # [rows]
         chosen = exact.nonzero().flatten().tolist()
         if chosen:
-            narrow = torch.where(narrow.isnan(), torch.tensor(float("nan"), dtype=dtype), narrow)  # one NaN pattern
+            narrow = rows.to(dtype)
+            if narrow.isnan().any():
+                narrow = torch.where(narrow.isnan(), torch.tensor(float("nan"), dtype=dtype), narrow)  # one NaN
             forms.append((str(dtype).encode(), _bytes(narrow), chosen))
         left = left & ~exact
         if not left.any():
             break
     return forms
+
+
+def _round_trips(rows: Tensor, dtype: torch.dtype) -> Tensor:
+    """[rows] whether every value of a row is a value of ``dtype`` (a NaN counts as one)."""
+    if rows.dtype == torch.float32 and dtype == torch.bfloat16:  # bfloat16 is float32's top 16 bits
+        return ((rows.view(torch.int32) & 0xFFFF) == 0).logical_or_(rows.isnan()).all(dim=1)
+    back = rows.to(dtype).to(rows.dtype)
+    return ((back == rows) | (back.isnan() & rows.isnan())).all(dim=1)
 
 
 def _holds_every(wide: torch.dtype, source: torch.dtype) -> bool:
