@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 GUARANTEE_FILE = "dp_guarantee.json"
 """The machine-readable guarantee of a dplit export (its ``privacy_history`` is inherited by a model built on it)."""
@@ -172,10 +173,21 @@ def _is_dplit_card(path: Path) -> bool:
 
 
 def _add_metadata(path: Path, entries: dict[str, str]) -> None:
-    """Rewrite a safetensors file with ``entries`` added to its metadata (tensors and other entries unchanged)."""
-    with safe_open(str(path), "pt") as file:
-        metadata = {**(file.metadata() or {}), **entries}
-        tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (safe_open has no iteration)
-    staging = path.with_name(f".{path.name}.sealing")
-    save_file(tensors, str(staging), metadata=metadata)
+    """Rewrite a safetensors file with ``entries`` added to its metadata, byte for byte deterministic.
+
+    The format is an 8-byte little-endian header length, a JSON header (``__metadata__`` and each tensor's dtype,
+    shape and offsets into the data that follows) and the data. Only the header is rewritten (metadata keys sorted,
+    padded with spaces to 8 bytes as safetensors writes it); the tensors' bytes are copied as they are. (safetensors'
+    own ``save_file`` orders metadata keys differently from call to call, so two exports of one checkpoint would differ.)
+    """
+    with path.open("rb") as source:
+        (length,) = struct.unpack("<Q", source.read(8))
+        header = json.loads(source.read(length))
+        metadata = {**(header.pop("__metadata__", None) or {}), **entries}
+        text = json.dumps({"__metadata__": dict(sorted(metadata.items())), **header}, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        staging = path.with_name(f".{path.name}.sealing")
+        with staging.open("wb") as target:
+            target.write(struct.pack("<Q", len(text)) + text)
+            shutil.copyfileobj(source, target, length=1 << 24)
     os.replace(staging, path)

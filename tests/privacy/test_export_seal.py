@@ -197,3 +197,12 @@ def test_a_dplit_export_pushed_to_the_hub_is_found_in_its_downloaded_snapshot(
     assert origin is not None and origin.startswith("dplit export hub model org/private-sft" if kind == "sealed" else "hub model org/private-sft, weights of unknown history")
     assert (PrivacyHistory(segments).reason_not_private() is None) == (kind == "sealed")
     assert downloaded_folder("org/never-downloaded", cache_dir=cache) is None
+
+
+def test_sealing_is_byte_for_byte_deterministic(tmp_path: Path) -> None:
+    """Two exports of one checkpoint are the same files (safetensors' own writer orders metadata at random)."""
+    first, second = sealed_export(tmp_path / "a"), sealed_export(tmp_path / "b")
+    for name in ("model.safetensors", GUARANTEE_FILE, "config.json"):
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    header = (first / "model.safetensors").read_bytes()
+    assert header[8:].startswith(b'{"__metadata__":{"dplit_guarantee_sha256":')  # sorted keys, first in the header
