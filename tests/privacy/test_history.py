@@ -450,3 +450,15 @@ def test_each_segment_records_its_mechanism_and_a_resume_that_changes_it_says_so
     segments = guarantee_after(trainer, tmp_path / "c")["privacy_history"]["segments"]
     assert [segment["clip_mode"] for segment in segments] == ["quantile", "quantile", "fixed"]
     assert "clip_bound_start" not in segments[2] and segments[2]["max_grad_norm"] == 1.0
+
+
+def test_a_segment_closed_without_a_digest_explains_no_change_after_it() -> None:
+    """An interrupted multi-process fit closes its segment unsealed: what changes later must match the last seal."""
+    history = PrivacyHistory()
+    history.record_origin("random initialisation from model.config", "a" * 64)
+    history.open_dp_segment(run_id="r", facts={"noise_secure": True})
+    history.record_dp_step(noise_multiplier=1.0, sample_rate=0.1)
+    history.optimizer_stepped()
+    history.close_dp_segment(None)  # no collective after an interrupt of several (sharded) processes
+    line = history.verify("b" * 64, where="found before a DP-SGD fit")
+    assert line is not None and history.reason_not_private() is not None
