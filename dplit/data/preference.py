@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
@@ -26,6 +26,7 @@ from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer
 from dplit.data.files import check_data_file, read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
+from dplit.data.text import TextDataset
 from dplit.data.tokenizer import load_tokenizer
 from dplit.data.users import (
     check_user_settings,
@@ -55,7 +56,7 @@ class PreferencePair(TypedDict):
     user: NotRequired[int]
 
 
-class PreferenceDataset(Dataset[PreferencePair]):
+class PreferenceDataset(TextDataset):
     """Tokenised preference pairs; each item (a pair, two rows) is one privacy unit, or each user's pairs are.
 
     Args:
@@ -72,17 +73,7 @@ class PreferenceDataset(Dataset[PreferencePair]):
     def __init__(
         self, pairs: list[PreferencePair], *, users: list[int] | None = None, max_rows_per_user: int = 1
     ) -> None:
-        self.pairs = pairs
-        self.users = users
-        self.max_rows_per_user = max_rows_per_user
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, index: int) -> PreferencePair:
-        if self.users is None:
-            return self.pairs[index]
-        return PreferencePair(**self.pairs[index], user=self.users[index])
+        super().__init__(pairs, users=users, max_rows_per_user=max_rows_per_user)  # type: ignore[arg-type]
 
 
 class PreferenceCollator(PadCollator):
