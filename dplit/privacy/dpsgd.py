@@ -44,7 +44,6 @@ from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.run_facts import (
-    MECHANISM_FACTS,
     ledger_facts,
     mechanism_changes,
     row_unit_of,
@@ -61,7 +60,7 @@ from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_l
 from dplit.privacy.warnings import say, warn
 from dplit.privacy.world import SingleProcess, World
 
-__all__ = ["DPSGD", "MECHANISM_FACTS", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
+__all__ = ["DPSGD", "NO_NOISE_WARNING", "SumHook", "clipping_engine", "split_batch"]
 
 STOP_SLOT, COUNT_SLOT = 0, 1
 """The all-reduce's two extra slots: rank 0's stop flag, and the quantile bound's centred count (noised once)."""
