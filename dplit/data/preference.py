@@ -36,7 +36,7 @@ from dplit.data.users import (
     warn_dominant_user,
 )
 from dplit.privacy.clipping.units import UNIT_KEY
-from dplit.privacy.run_facts import PAIR_UNIT
+from dplit.privacy.training_units import PAIR_UNIT
 from dplit.tasks.preference import CHOSEN_KEY
 
 Split = Literal["train", "validation"]

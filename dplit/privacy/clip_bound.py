@@ -66,6 +66,17 @@ class FixedBound:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint (nothing to restore here)."""
 
+    def resume(self, restored: dict[str, Any], *, noise_multiplier: float) -> None:
+        """Continue a resumed run's state if it used this mode (C_t continued); refuse a σ this mode cannot use, now.
+
+        Args:
+            restored: the resumed ledger's facts (``{}`` for a fresh run).
+            noise_multiplier: the run's σ.
+        """
+        if restored.get("clip_mode") == self.mode:
+            self.load_state_dict(restored)
+        self.gradient_noise_multiplier(noise_multiplier)
+
 
 class AutomaticBound(FixedBound):
     """Automatic clipping: the engine scales every unit by C / (‖g‖ + γ); C only scales the update.

@@ -11,7 +11,7 @@ history is a list of segments, each a plain dict (so it travels in ``state_dict(
   recorded step explains (``steps`` 0), or weights of unknown history; one such segment makes the weights
   non-private for good;
 * ``{"kind": "public_change", "statement", "where"}``: a change no recorded step explains, which the person running
-  dplit stated used no private data (``DPStrategy.public_change``); the card quotes the statement verbatim.
+  dplit stated used no private data (the strategy's ``public_change``); the card quotes the statement verbatim.
 
 The history is bound to the weights' content: it records where they started (``origin``: a public starting point and
 its digest) and the digest of the weights at the last boundary it saw (:meth:`PrivacyHistory.seal`: each DP segment's
@@ -38,7 +38,7 @@ __all__ = ["GUARANTEE_FILE", "HISTORY_KEY", "PrivacyHistory", "history_in_checkp
 
 Segment = dict[str, Any]
 
-NON_PRIVATE_STEP = "optimizer steps taken without dplit.strategy.DPStrategy (no clipping, no noise)"
+NON_PRIVATE_STEP = "optimizer steps taken outside dplit's DP-SGD step (no clipping, no noise)"
 HISTORY_KEY = "dplit_privacy_history"
 """The checkpoint entry holding the weights' :meth:`PrivacyHistory.state_dict` (written by the module)."""
 UNRECORDED_CHANGE = "the weights changed outside any step dplit recorded"
@@ -46,7 +46,7 @@ UNRECORDED_CHANGE = "the weights changed outside any step dplit recorded"
 LOADED_DURING_FIT = "weights were loaded into the model (load_state_dict) while a DP-SGD fit was running"
 NOT_RECORDED_ORIGIN = "not recorded (the weights as dplit first saw them, before their first DP segment)"
 """The origin of a history that no dplit task started (a module of your own with a fresh PrivacyHistory)."""
-UNKNOWN_HISTORY = "trained without dplit.strategy.DPStrategy before dplit kept a privacy history with the weights"
+UNKNOWN_HISTORY = "trained outside dplit's DP-SGD step before dplit kept a privacy history with the weights"
 
 
 class PrivacyHistory:
@@ -242,7 +242,7 @@ class PrivacyHistory:
         self._segments.append({"kind": "non_private", "steps": 0, "reason": f"{UNRECORDED_CHANGE} ({where})"})
         return (
             f"these weights are now NOT differentially private: they changed outside any step dplit recorded ({where}: "
-            "a training loop without DPStrategy, load_state_dict, or an edit); train them only through dplit, load "
+            "a training loop outside dplit, load_state_dict, or an edit); train them only through dplit, load "
             "checkpoints with --ckpt_path or Module.load_from_checkpoint, or, if the change used no private data, say "
             f"so with {DEFAULT_OWNER}.public_change='<what was done>' (the card quotes it)"
         )

@@ -67,7 +67,12 @@ def check_digests(checkpoint: dict[str, Any], *, source: str) -> None:
             )
 
 
-_PARTS = {WEIGHTS_PART: "weights", "state_dict": "weights", "dplit_privacy": "privacy ledger", "dplit_privacy_history": "privacy history"}
+_PARTS = {
+    WEIGHTS_PART: "weights",
+    "state_dict": "weights",
+    "dplit_privacy": "privacy ledger",
+    "dplit_privacy_history": "privacy history",
+}
 
 
 def _digest(value: Any, part: str) -> str:

@@ -1,4 +1,4 @@
-"""SettingError: a refused DP-SGD knob, named by the strategy that takes it (``DPStrategy`` or ``ShardedDPStrategy``).
+"""SettingError: a refused DP-SGD knob, named by the strategy that takes it (its ``flag_owner``).
 
 Code under ``dplit/privacy/`` does not know which Lightning strategy carries its knobs: it writes :data:`OWNER` where
 the strategy's name goes, and the strategy in use names itself when the refusal reaches it (:meth:`SettingError.named`).

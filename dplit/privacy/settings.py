@@ -16,7 +16,7 @@ CLIPPING_ENGINES = ("ghost", "per_example")
 TIED_NORMS = ("exact", "bound")
 ACCOUNTANTS = ("prv", "rdp")
 FLAG_OWNER = DEFAULT_OWNER
-"""Where a user sets these knobs (``trainer.strategy.init_args.<field>``): every refusal names ``DPStrategy.<field>``."""
+"""Where a user sets these knobs (``trainer.strategy.init_args.<field>``): every refusal names ``<strategy>.<field>``."""
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class DPSGDSettings:
     """The knobs of one DP-SGD run (Abadi et al. 2016, Algorithm 1, with Poisson sampling).
 
     Every value is checked when the settings are made, so a bad config fails before any data is read, in one line
-    naming ``DPStrategy.<field>``.
+    naming ``<strategy>.<field>`` (:attr:`flag_owner`).
     """
 
     max_grad_norm: float
@@ -100,14 +100,14 @@ class DPSGDSettings:
     leave the trust boundary)."""
 
     public_change: str | None = None
-    """Your statement that the weights' changes no recorded step explains (a training loop without DPStrategy,
+    """Your statement that the weights' changes no recorded step explains (a training loop outside dplit,
     ``load_state_dict``, an edit) used no private data, e.g. ``"2 epochs on public Wikipedia text"``. Without it such
     a change makes the weights NOT differentially private for good; with it the change is recorded as public and
     the model card quotes the statement verbatim. Used only when such a change is found before the fit; remove it
     from the config once used."""
 
     flag_owner: str = FLAG_OWNER
-    """The strategy whose flags the refusals name: ``DPStrategy``, or ``ShardedDPStrategy`` for the sharded one."""
+    """The strategy whose flags the refusals name (:data:`~dplit.privacy.refusal.DEFAULT_OWNER` unless the strategy says otherwise)."""
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):

@@ -19,13 +19,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
 from dplit.privacy.gradient_buffer import GradientBuffer
+from dplit.privacy.refusal import DEFAULT_OWNER
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.world import NoiseGenerator, ProcessGroup
 
 IN_FLIGHT_ELEMENTS = 1 << 24
 """Whole-sum entries a rank may leave in reduce-scatters still running while its engine forms the next sums (64 MiB
 of float32); one parameter's sum larger than this runs alone."""
-
 
 
 def check_sharded_settings(settings: DPSGDSettings) -> None:
@@ -39,7 +39,7 @@ def check_sharded_settings(settings: DPSGDSettings) -> None:
         raise ValueError(
             f"{settings.flag_owner}.self_check=true: the ghost self-check compares with autograd on whole weights, which a "
             "sharded model has on no rank; set self_check: false (and check a new architecture with one "
-            "single-device step of dplit.strategy.DPStrategy)"
+            f"single-device step of {DEFAULT_OWNER})"
         )
 
 

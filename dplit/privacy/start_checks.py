@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
+from dplit.privacy.ledger import RunLedger
 from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.training_units import TrainingUnits
 from dplit.privacy.user_sampling import UserLevel
 from dplit.privacy.warnings import warn
 from dplit.privacy.world import World
 
 
 def check_start(
-    settings: DPSGDSettings, world: World, *, delta: float, dataset_size: int, restored_size: int | None,
-    rows: IndexedRows | None, users: UserLevel | None,
-) -> None:  # fmt: skip
+    settings: DPSGDSettings, world: World, *, delta: float, units: TrainingUnits, ledger: RunLedger
+) -> None:
     """Every start-time refusal, in one line each (see the functions below)."""
-    check_same_dataset_size(restored_size, dataset_size)
-    check_delta(settings, world, delta=delta, size=dataset_size)
-    check_ranks_hold_the_same_rows(world, rows)
-    check_users_fit_a_micro_batch(settings, users)
+    check_same_dataset_size(ledger.restored_dataset_size, units.size)
+    check_delta(settings, world, delta=delta, size=units.size)
+    check_ranks_hold_the_same_rows(world, units.rows)
+    check_users_fit_a_micro_batch(settings, units.users)
 
 
 def check_same_dataset_size(restored: int | None, dataset_size: int) -> None:

@@ -19,6 +19,8 @@ class SumHooks:
 
     def __init__(self) -> None:
         self._hooks: OrderedDict[int, SumHook] = OrderedDict()
+        self.running = False
+        """True while the hooks run (a hook may then do what only a hook may, e.g. :meth:`DPSGD.count_units`)."""
 
     def register(self, hook: SumHook, *, prepend: bool = False) -> RemovableHandle:
         """Add ``hook`` last (or first, with ``prepend``); ``handle.remove()`` takes it out."""
@@ -29,6 +31,10 @@ class SumHooks:
         return handle
 
     def __call__(self, dpsgd: Any, flat_sum: Tensor) -> None:
-        """Call every hook in order with ``(dpsgd, flat_sum)``."""
-        for hook in list(self._hooks.values()):
-            hook(dpsgd, flat_sum)
+        """Call every hook in order with ``(dpsgd, flat_sum)``, :attr:`running` meanwhile."""
+        self.running = True
+        try:
+            for hook in list(self._hooks.values()):
+                hook(dpsgd, flat_sum)
+        finally:
+            self.running = False

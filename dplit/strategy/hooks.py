@@ -22,8 +22,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from dplit.privacy.accounting import Mechanism, PrivacyAccountant
+from dplit.privacy.clip_bound import clipping_engine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine
-from dplit.privacy.dpsgd import DPSGD, clipping_engine
+from dplit.privacy.dpsgd import DPSGD
 from dplit.privacy.integrity import check_digests, record_digest
 from dplit.privacy.ledger import CHECKPOINT_KEY
 from dplit.privacy.noise import NoiseSource

@@ -30,7 +30,9 @@ def log_clipping(module: LightningModule, losses: Tensor, norms: Tensor, max_gra
 def log_spend(module: LightningModule, dpsgd: DPSGD) -> None:
     """Log ε so far (when it was refreshed at this step), σ and the number of DP steps (all public)."""
     if dpsgd.budget.epsilon_steps == dpsgd.budget.steps:
-        module.log("privacy/epsilon", dpsgd.budget.epsilon_spent, on_step=True, on_epoch=False, prog_bar=True, batch_size=1)
+        module.log(
+            "privacy/epsilon", dpsgd.budget.epsilon_spent, on_step=True, on_epoch=False, prog_bar=True, batch_size=1
+        )
     module.log("privacy/noise_multiplier", float(dpsgd.noise_multiplier or 0.0), on_step=True, batch_size=1)
     module.log("privacy/steps", float(dpsgd.budget.steps), on_step=True, batch_size=1)
     module.log("dp/clip_bound", dpsgd.clip_bound, on_step=True, batch_size=1)  # C of the next step (public)

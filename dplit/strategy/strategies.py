@@ -11,8 +11,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from typing_extensions import override
 
-from dplit.privacy.dpsgd import NO_NOISE_WARNING
 from dplit.privacy.integrity import check_digests
+from dplit.privacy.run_facts import NO_NOISE_WARNING
 from dplit.privacy.sharded_world import ShardedProcessGroup, check_sharded_settings
 from dplit.privacy.world import ProcessGroup, SingleProcess
 from dplit.strategy.hooks import DPSGDHooks
@@ -32,7 +32,6 @@ class DPStrategy(DPSGDHooks, DDPStrategy):
     (the fields of :class:`~dplit.privacy.settings.DPSGDSettings`) and Lightning's ``DDPStrategy``'s
     (``process_group_backend``, ``start_method``, ...).
     """
-
 
     @override
     def configure_ddp(self) -> None:

@@ -12,7 +12,7 @@ from dplit.data.preference import PreferenceDataModule, PreferenceDataset
 from dplit.data.preference_set import make_preference_split
 from dplit.data.synthetic import NEGATIVE_WORDS, POSITIVE_WORDS
 from dplit.privacy.clipping.units import UNIT_KEY, split_batch, units_of
-from dplit.privacy.run_facts import row_unit_of
+from dplit.privacy.training_units import row_unit_of
 from dplit.tasks.preference import CHOSEN_KEY
 
 PAIRS = [

@@ -43,15 +43,15 @@ def check_accountable(
     grid's size; milliseconds, up to ≈ 1 s at q = 0.5) and, only when refusing, a search for the smallest σ.
 
     Args:
-        mechanism: ``"prv"`` or ``"rdp"`` (``DPStrategy.accountant``).
+        mechanism: ``"prv"`` or ``"rdp"`` (the strategy's ``accountant``).
         sample_rate: the Poisson rate q = batch_size / N.
         steps: the planned number of DP steps (``None``: unbounded; a fixed σ is then checked for one step).
-        delta: δ (``DPStrategy.target_delta`` or its default).
+        delta: δ (the strategy's ``target_delta`` or its default).
         noise_multiplier: a fixed σ, if given (0 is accepted: no noise, ε = ∞).
         target_epsilon: the ε that σ will be calibrated to, if given.
 
     Raises:
-        ValueError: in one line naming the ``DPStrategy`` flag and the range that works.
+        ValueError: in one line naming the strategy's flag and the range that works.
     """
     check_basics(mechanism, sample_rate, delta)
     if mechanism == "prv" and delta < PRV_MIN_DELTA:

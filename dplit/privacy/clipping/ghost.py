@@ -506,7 +506,7 @@ def _add_kept_clipped_sum(param: nn.Parameter, gradients: Tensor, factors: Tenso
 def _add_clipped_sum(param: nn.Parameter, uses: list[GradientUse], factors: Tensor) -> None:
     """Add Σ_i c_i G_i over all of a parameter's uses to its ``grad``, use by use (zeros when it was not used).
 
-    Into an existing ``grad`` of the sums' dtype (DPStrategy's GradientBuffer views, a second use, a later
+    Into an existing ``grad`` of the sums' dtype (DPSGD's GradientBuffer views, a second use, a later
     micro-batch) in place (``addmm_`` / ``index_add_``): no parameter-sized temporary and no extra pass over it.
     """
     for use in uses:

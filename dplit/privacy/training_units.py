@@ -1,0 +1,71 @@
+"""TrainingUnits: what DP-SGD samples, clips and counts: examples, preference pairs or users, N of them, at rate q.
+
+A dataset's items are its units (an example; a preference pair, two rows clipped as one), unless the dataset declares
+users (:func:`~dplit.privacy.user_sampling.user_level_of`): then a user, all of its rows, is the unit, Poisson sampling
+draws users and each sampled user brings at most k rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from dplit.privacy.fingerprint import IndexedRows
+from dplit.privacy.sampling import poisson_loader, size_and_rate
+from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
+
+PAIR_UNIT = "pair"
+"""The privacy unit of a dataset of preference pairs (each item two rows clipped as one unit)."""
+
+
+def row_unit_of(dataset: object) -> str:
+    """The unit a dataset without users samples and clips by: ``"pair"`` when it declares pairs, else ``"example"``."""
+    return PAIR_UNIT if getattr(dataset, "privacy_unit", None) == PAIR_UNIT else "example"
+
+
+@dataclass(frozen=True)
+class TrainingUnits:
+    """The privacy unit of a training set, its count N and the Poisson rate q.
+
+    Attributes:
+        name: ``"example"``, ``"pair"`` or ``"user"``.
+        size: N, the number of units.
+        sample_rate: q = expected units per logical batch / N.
+        rows: the training rows, by index.
+        users: who owns each row (``None`` unless the unit is the user).
+    """
+
+    name: str
+    size: int
+    sample_rate: float
+    rows: IndexedRows
+    users: UserLevel | None = None
+
+    @classmethod
+    def of(cls, loader: DataLoader) -> TrainingUnits:
+        """The units of ``loader``'s dataset, with q = ``loader.batch_size`` / N (refusing an empty set or bad batch)."""
+        users = user_level_of(loader.dataset)
+        count = users.users if users is not None else len(loader.dataset)  # type: ignore[arg-type]
+        size, rate = size_and_rate(loader, count, users=users is not None)
+        name = "user" if users is not None else row_unit_of(loader.dataset)
+        return cls(name=name, size=size, sample_rate=rate, rows=loader.dataset, users=users)  # type: ignore[arg-type]
+
+    @property
+    def expected_batch_size(self) -> float:
+        """q·N: the expected units of one logical batch."""
+        return self.sample_rate * self.size
+
+    def poisson_loader(self, loader: DataLoader, *, num_replicas: int, rank: int, seed: int) -> DataLoader:
+        """``loader`` drawing Poisson batches of these units (this rank's shard; a sampled user brings ≤ k rows)."""
+        where = {"num_replicas": num_replicas, "rank": rank, "seed": seed}
+        if self.users is not None:
+            return user_poisson_loader(loader, level=self.users, sample_rate=self.sample_rate, **where)
+        return poisson_loader(loader, sample_rate=self.sample_rate, **where)
+
+    def facts(self, *, private_diagnostics: bool) -> dict[str, Any]:
+        """The unit's facts: ``privacy_unit``, and the user-level counts (``private_diagnostics``: largest user's rows)."""
+        if self.users is None:
+            return {"privacy_unit": self.name}
+        return self.users.facts(private_diagnostics=private_diagnostics)
