@@ -362,17 +362,25 @@ class CausalLMModule(LightningModule, ABC):
                 "trainer.max_steps are both -1: set one of them, or use model.lr_schedule=constant"
             )
         total = max(1, int(planned)) if math.isfinite(planned) else 1
-        warmup = hp.warmup_steps
-
-        def scale(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / (warmup + 1)
-            if hp.lr_schedule == "constant":
-                return 1.0
-            return max(0.0, (total - step) / max(1, total - warmup))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
+        warmup, schedule = hp.warmup_steps, hp.lr_schedule
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_scale(step, warmup=warmup, total=total, schedule=schedule)
+        )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lr_scale(step: int, *, warmup: int, total: int, schedule: str) -> float:
+    """The learning rate's factor at optimizer step ``step`` (from 0) of ``total``, after ``warmup`` steps of warm-up.
+
+    It is transformers' ``get_linear_schedule_with_warmup`` (``schedule="linear"``: warm-up, then decay to zero) or
+    ``get_constant_schedule_with_warmup`` (``"constant"``) one step on, with one more warm-up and planned step: theirs
+    starts at lr 0, and under DP-SGD a step at lr 0 spends ε for no update (a test holds the two equal).
+    """
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if schedule == "constant":
+        return 1.0
+    return max(0.0, (total - step) / max(1, total - warmup))
 
 
 def starting_point(*, pretrained: str | None, gguf_file: str | None) -> str:

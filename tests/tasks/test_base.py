@@ -81,3 +81,22 @@ def test_a_restored_history_reaches_a_dp_run_built_before_the_restore() -> None:
         saved.record_dp_step(noise_multiplier=1.0, sample_rate=0.1)
     module.on_load_checkpoint({HISTORY_KEY: saved.state_dict()})
     assert module.privacy_history is held and held.dp_steps == 3
+
+
+@pytest.mark.parametrize("schedule", ["linear", "constant"])
+@pytest.mark.parametrize(("warmup", "total"), [(0, 10), (3, 10), (5, 5), (2, 1)])
+def test_the_lr_schedule_is_transformers_one_step_on(schedule: str, warmup: int, total: int) -> None:
+    """The schedule of transformers with one more warm-up and planned step, read one step on: the first DP step learns."""
+    import torch
+    from transformers import get_constant_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    from dplit.tasks.base import lr_scale
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    if schedule == "linear":
+        theirs = get_linear_schedule_with_warmup(optimizer, warmup + 1, total + 1).lr_lambdas[0]
+    else:
+        theirs = get_constant_schedule_with_warmup(optimizer, warmup + 1).lr_lambdas[0]
+    ours = [lr_scale(step, warmup=warmup, total=total, schedule=schedule) for step in range(total + 3)]
+    assert ours == pytest.approx([theirs(step + 1) for step in range(total + 3)], abs=1e-15)
+    assert ours[0] > 0  # theirs(0) == 0: a DP step that spends ε and moves nothing
