@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from dplit.data.batches import pad_token_rows
 from dplit.data.files import read_records, records_to_rows
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.composition import PER_UNIT
@@ -185,18 +186,6 @@ def generate_batches(
             bar.update(len(batch))
 
 
-def generate_rows(
-    backbone: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: list[Prompt],
-    settings: SamplingSettings,
-    *,
-    progress: bool = True,
-) -> list[dict[str, Any]]:
-    """Every row of :func:`generate_batches`, in one list (for a few samples; the command streams them to a file)."""
-    return [row for rows in generate_batches(backbone, tokenizer, prompts, settings, progress=progress) for row in rows]
-
-
 def _sample_row(prompt: Prompt, index: int, text: str) -> dict[str, Any]:
     label = {} if prompt.label is None else {"label": prompt.label}
     return {"prompt": prompt.text, **label, "sample": index, "text": text}
@@ -241,10 +230,9 @@ def _sample(
 ) -> list[str]:  # fmt: skip
     """One batch, left-padded; the seed depends on ``settings.seed`` and the batch's offset only."""
     encoded = [tokenizer.encode(text) for text in texts]  # as training encoded a prompt
-    width = max(len(ids) for ids in encoded)
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])  # [B, T]
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])  # [B, T]
+    input_ids, attention_mask = pad_token_rows(encoded, pad, "left")  # [B, T] each
+    width = input_ids.shape[1]
     limit = position_limit(backbone)
     max_new_tokens = settings.max_new_tokens if limit is None else min(settings.max_new_tokens, limit - width)
     with torch.random.fork_rng(devices=[]):

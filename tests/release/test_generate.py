@@ -10,6 +10,7 @@ import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,6 @@ from dplit.release.generate import (
     Interrupted,
     SamplingSettings,
     generate_batches,
-    generate_rows,
     load_generator,
     partial_file,
     privacy_line,
@@ -57,10 +57,12 @@ def prompts_file(folder: Path) -> Path:
 def rows_for(model: Path, folder: Path, **settings: object) -> list[dict]:
     backbone, tokenizer, _ = load_generator(model)
     prompts = read_prompts(prompts_file(folder))
-    return generate_rows(backbone, tokenizer, prompts, SamplingSettings(**settings), progress=False)
+    return all_rows(backbone, tokenizer, prompts, SamplingSettings(**settings), progress=False)
 
 
-def test_samples_keep_their_prompt_and_label_and_repeat_for_a_seed(exported_lm: tuple[Path, Path], tmp_path: Path) -> None:
+def test_samples_keep_their_prompt_and_label_and_repeat_for_a_seed(
+    exported_lm: tuple[Path, Path], tmp_path: Path
+) -> None:
     _, folder = exported_lm
     first = rows_for(folder, tmp_path, num_samples=3, max_new_tokens=6, seed=1, batch_size=4)
     assert [(row["prompt"], row["label"], row["sample"]) for row in first] == [
@@ -161,7 +163,7 @@ def test_default_max_new_tokens_past_the_models_positions_is_capped_with_a_warni
     settings = SamplingSettings(num_samples=2, batch_size=2)
     assert settings.max_new_tokens > limit
     with pytest.warns(UserWarning, match=rf"^--max_new_tokens=64 .* the model's limit of {limit} positions"):
-        rows = generate_rows(backbone, tokenizer, prompts, settings, progress=False)
+        rows = all_rows(backbone, tokenizer, prompts, settings, progress=False)
     assert len(rows) == 2 * len(prompts) and all(row["text"] for row in rows)
 
 
@@ -188,7 +190,7 @@ def test_a_prompt_that_fills_the_models_positions_is_refused_naming_its_line(
     path = tmp_path / "prompts.txt"
     path.write_text("the movie is\n" + "the movie is very " * 20 + "\n")
     with pytest.raises(ValueError, match=r"^--prompts_file line 2: the prompt has \d+ tokens, which leaves no room"):
-        generate_rows(backbone, tokenizer, read_prompts(path), SamplingSettings(max_new_tokens=1), progress=False)
+        all_rows(backbone, tokenizer, read_prompts(path), SamplingSettings(max_new_tokens=1), progress=False)
 
 
 # --- generating at scale: bounded, streamed, interruptible ------------------------------------------------
@@ -308,3 +310,8 @@ def test_the_guarantee_line_names_the_unit() -> None:
     assert "private per user," in privacy_line({**guarantee, "users": 50}, 4)  # a dp_guarantee.json from before
     assert "private per training example," in privacy_line({**guarantee, "protected_unit": "example"}, 4)
     assert "private per preference pair," in privacy_line({**guarantee, "protected_unit": "pair"}, 4)
+
+
+def all_rows(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """Every row :func:`generate_batches` yields, in one list."""
+    return [row for rows in generate_batches(*args, **kwargs) for row in rows]
