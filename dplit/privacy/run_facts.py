@@ -13,7 +13,7 @@ from dplit.privacy.clip_bound import FixedBound
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
 from dplit.privacy.settings import DPSGDSettings
-from dplit.privacy.user_sampling import UserLevel
+from dplit.privacy.user_sampling import UnitDataset, UserLevel
 
 MECHANISM_FACTS = ("clip_mode", "max_grad_norm", "max_rows_per_user")
 """The facts of a run's mechanism a resume may change (said in one line; the privacy unit and N it may not)."""
@@ -25,7 +25,7 @@ PAIR_UNIT = "pair"
 
 def row_unit_of(dataset: object) -> str:
     """The unit a dataset without users samples and clips by: ``"pair"`` when it declares pairs, else ``"example"``."""
-    return PAIR_UNIT if getattr(dataset, "privacy_unit", None) == PAIR_UNIT else "example"
+    return PAIR_UNIT if isinstance(dataset, UnitDataset) and dataset.privacy_unit == PAIR_UNIT else "example"
 
 
 def unit_facts(users: UserLevel | None, *, diagnostics: bool, unit: str = "example") -> dict[str, Any]:
