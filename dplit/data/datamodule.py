@@ -46,7 +46,7 @@ def options_signature(cls: type[DPDataModule]) -> inspect.Signature:
     """
     parameters: dict[str, inspect.Parameter] = {}
     for klass in cls.__mro__:
-        if not (isinstance(klass, type) and issubclass(klass, DPDataModule)):
+        if not issubclass(klass, DPDataModule):
             continue
         for index, parameter in enumerate(inspect.signature(klass.__init__).parameters.values()):
             if index == 0 or parameter.kind is inspect.Parameter.VAR_KEYWORD or parameter.name in parameters:
