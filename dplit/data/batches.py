@@ -8,7 +8,6 @@ from typing import Literal, NotRequired, TypedDict, TypeVar
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
-from typing_extensions import override
 
 from dplit.privacy.clipping.units import UNIT_KEY
 from dplit.privacy.user_sampling import UnitDataset
@@ -27,32 +26,30 @@ class Example(TypedDict):
 class UnitItems(Dataset[ItemT], UnitDataset):
     """Tokenised items that declare their privacy unit (:class:`~dplit.privacy.user_sampling.UnitDataset`).
 
-    An item is one example (``privacy_unit = "example"``), or with users each item also carries its user, 0..U-1,
-    under ``"user"`` (DP-SGD then samples and clips by user).
+    An item is one example (``privacy_unit = "example"``); with users, each item also carries its user, 0..U-1
+    (DP-SGD then samples and clips by user).
 
     Args:
+        items: the tokenised items.
         users: each item's user, 0..U-1 (``None``: each item is its own privacy unit).
         max_rows_per_user: the most items of one user in one DP step (``data.max_rows_per_user``).
     """
 
     privacy_unit = "example"
 
-    def __init__(self, *, users: list[int] | None = None, max_rows_per_user: int = 1) -> None:
-        if users is not None and len(users) != len(self):
-            raise ValueError(f"{len(users)} users but {len(self)} items")
+    def __init__(self, items: Sequence[ItemT], *, users: list[int] | None = None, max_rows_per_user: int = 1) -> None:
+        if users is not None and len(users) != len(items):
+            raise ValueError(f"{len(users)} users but {len(items)} items")
+        self.items = items
         self.users = users
         self.max_rows_per_user = max_rows_per_user
 
     def __len__(self) -> int:
-        raise NotImplementedError
+        return len(self.items)
 
     def __getitem__(self, index: int) -> ItemT:
-        item = self.item(index)
+        item = self.items[index]
         return item if self.users is None else {**item, "user": self.users[index]}  # type: ignore[return-value]
-
-    def item(self, index: int) -> ItemT:
-        """Item ``index`` without its user."""
-        raise NotImplementedError
 
 
 class TokenizedDataset(UnitItems[Example]):
@@ -75,18 +72,9 @@ class TokenizedDataset(UnitItems[Example]):
     ) -> None:
         if len(input_ids) != len(labels):
             raise ValueError(f"{len(input_ids)} prompts but {len(labels)} labels")
-        self.input_ids = input_ids
-        self.labels = labels
-        super().__init__(users=users, max_rows_per_user=max_rows_per_user)
-
-    @override
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    @override
-    def item(self, index: int) -> Example:
-        """Example ``index``: its prompt's token ids and its class index."""
-        return Example(input_ids=self.input_ids[index], label=self.labels[index])
+        self.input_ids, self.labels = input_ids, labels
+        examples = [Example(input_ids=ids, label=label) for ids, label in zip(input_ids, labels, strict=True)]
+        super().__init__(examples, users=users, max_rows_per_user=max_rows_per_user)
 
 
 class PadCollator:

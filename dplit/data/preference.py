@@ -19,11 +19,10 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from dplit.data.batches import PadCollator, pad_token_rows
+from dplit.data.batches import PadCollator, UnitItems, pad_token_rows
 from dplit.data.datamodule import BUILTIN, CorpusDataModule
 from dplit.data.files import read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
-from dplit.data.text import TextDataset
 from dplit.privacy.clipping.units import UNIT_KEY
 from dplit.privacy.run_facts import PAIR_UNIT
 from dplit.tasks.preference import CHOSEN_KEY
@@ -41,11 +40,11 @@ class PreferencePair(TypedDict):
     user: NotRequired[int]
 
 
-class PreferenceDataset(TextDataset):
+class PreferenceDataset(UnitItems[PreferencePair]):
     """Tokenised preference pairs; each item (a pair, two rows) is one privacy unit, or each user's pairs are.
 
     Args:
-        pairs: the tokenised pairs.
+        items: the tokenised pairs.
         users: each pair's user, 0..U-1 (``None``: each pair is its own privacy unit).
         max_rows_per_user: k, the most pairs of one user in one DP step (``data.max_rows_per_user``).
 
@@ -54,11 +53,6 @@ class PreferenceDataset(TextDataset):
     """
 
     privacy_unit = PAIR_UNIT
-
-    def __init__(
-        self, pairs: list[PreferencePair], *, users: list[int] | None = None, max_rows_per_user: int = 1
-    ) -> None:
-        super().__init__(pairs, users=users, max_rows_per_user=max_rows_per_user)  # type: ignore[arg-type]
 
 
 class PreferenceCollator(PadCollator):

@@ -39,25 +39,10 @@ class TextDataset(UnitItems[TextExample]):
     """Tokenised examples (with users: DP-SGD then samples and clips by user).
 
     Args:
-        examples: the tokenised rows.
+        items: the tokenised rows, an example each.
         users: each row's user, 0..U-1 (``None``: each row is its own privacy unit).
         max_rows_per_user: the most rows of one user in one DP step (``data.max_rows_per_user``).
     """
-
-    def __init__(
-        self, examples: list[TextExample], *, users: list[int] | None = None, max_rows_per_user: int = 1
-    ) -> None:
-        self.examples = examples
-        super().__init__(users=users, max_rows_per_user=max_rows_per_user)
-
-    @override
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    @override
-    def item(self, index: int) -> TextExample:
-        """Example ``index``: its token ids and loss mask."""
-        return self.examples[index]
 
 
 class TextCollator(PadCollator):
