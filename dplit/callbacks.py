@@ -13,6 +13,8 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProg
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from dplit.privacy.diagnostics import private_diagnostics_allowed
+
 
 def peak_memory_mb(device: torch.device) -> float:
     """CUDA max allocated on a GPU, else the process' peak resident set size, in MiB."""
@@ -40,7 +42,7 @@ class ResourceMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not getattr(trainer.strategy, "private_diagnostics", True):  # DPStrategy(private_diagnostics=False)
+        if not private_diagnostics_allowed(trainer.strategy):  # DPStrategy(private_diagnostics=False)
             return
         elapsed = time.perf_counter() - self._started
         examples = batch["input_ids"].shape[0] if isinstance(batch, dict) and "input_ids" in batch else 0

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
 from dplit.privacy.clipping.units import UNIT_KEY
+from dplit.privacy.user_sampling import UnitDataset
+
+ItemT = TypeVar("ItemT", bound=Mapping[str, object])
 
 
 class Example(TypedDict):
@@ -20,7 +23,36 @@ class Example(TypedDict):
     user: NotRequired[int]
 
 
-class TokenizedDataset(Dataset[Example]):
+class UnitItems(Dataset[ItemT], UnitDataset):
+    """Tokenised items that declare their privacy unit (:class:`~dplit.privacy.user_sampling.UnitDataset`).
+
+    An item is one example (``privacy_unit = "example"``); with users, each item also carries its user, 0..U-1
+    (DP-SGD then samples and clips by user).
+
+    Args:
+        items: the tokenised items.
+        users: each item's user, 0..U-1 (``None``: each item is its own privacy unit).
+        max_rows_per_user: the most items of one user in one DP step (``data.max_rows_per_user``).
+    """
+
+    privacy_unit = "example"
+
+    def __init__(self, items: Sequence[ItemT], *, users: list[int] | None = None, max_rows_per_user: int = 1) -> None:
+        if users is not None and len(users) != len(items):
+            raise ValueError(f"{len(users)} users but {len(items)} items")
+        self.items = items
+        self.users = users
+        self.max_rows_per_user = max_rows_per_user
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> ItemT:
+        item = self.items[index]
+        return item if self.users is None else {**item, "user": self.users[index]}  # type: ignore[return-value]
+
+
+class TokenizedDataset(UnitItems[Example]):
     """Already tokenised prompts with their class indices (and users: DP-SGD then samples and clips by user).
 
     Args:
@@ -40,21 +72,9 @@ class TokenizedDataset(Dataset[Example]):
     ) -> None:
         if len(input_ids) != len(labels):
             raise ValueError(f"{len(input_ids)} prompts but {len(labels)} labels")
-        if users is not None and len(users) != len(labels):
-            raise ValueError(f"{len(users)} users but {len(labels)} labels")
-        self.input_ids = input_ids
-        self.labels = labels
-        self.users = users
-        self.max_rows_per_user = max_rows_per_user
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> Example:
-        example = Example(input_ids=self.input_ids[index], label=self.labels[index])
-        if self.users is not None:
-            example["user"] = self.users[index]
-        return example
+        self.input_ids, self.labels = input_ids, labels
+        examples = [Example(input_ids=ids, label=label) for ids, label in zip(input_ids, labels, strict=True)]
+        super().__init__(examples, users=users, max_rows_per_user=max_rows_per_user)
 
 
 class PadCollator:

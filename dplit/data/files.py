@@ -12,12 +12,12 @@ import csv
 import io
 import json
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple, Protocol, TextIO
 
 from dplit.data.sources import TextSplit, non_empty
 from dplit.data.tasks import TaskSpec
@@ -170,25 +170,14 @@ def read_records(path: Path, columns: tuple[str, ...], limit: int | None = None)
 
 
 def read_txt(path: Path, file: TextIO, column: str) -> Iterator[Record]:
-    """The non-blank lines of a TXT file, one text each (its line end dropped), as the one column ``column``.
-
-    Args:
-        path: the file (for messages).
-        file: the file, open as :func:`utf8_text` opens it.
-        column: the name of the text column.
-    """
+    """The non-blank lines of a TXT file, one text each (its line end dropped), as the one column ``column``."""
     for line, text in enumerate(file, start=1):
         if text.strip():
             yield Record(line, {column: text.rstrip("\r\n")})
 
 
 def read_jsonl(path: Path, file: TextIO, column: str = "") -> Iterator[Record]:
-    """The JSON objects of a JSON Lines file, one per non-blank line.
-
-    Args:
-        path: the file (for messages).
-        file: the file, open as :func:`utf8_text` opens it.
-        column: unused (every column of an object is read).
+    """The JSON objects of a JSON Lines file, one per non-blank line (every column of an object is read).
 
     Raises:
         ValueError: naming the file and line of a line that is not JSON, or not a JSON object.
@@ -200,11 +189,6 @@ def read_jsonl(path: Path, file: TextIO, column: str = "") -> Iterator[Record]:
 
 def read_json(path: Path, file: TextIO, column: str = "") -> Iterator[Record]:
     """The objects of a ``.json`` file: one JSON array of objects (rows numbered by item), or else JSON Lines.
-
-    Args:
-        path: the file (for messages).
-        file: the file, open as :func:`utf8_text` opens it.
-        column: unused (every column of an object is read).
 
     Raises:
         ValueError: naming the file and line (or array item) of text that is not JSON, or not JSON objects, or
@@ -244,12 +228,8 @@ def read_csv(path: Path, file: TextIO, column: str = "") -> Iterator[Record]:
     """Rows of a CSV file after its header line, each with the same number of fields as the header.
 
     Parsed strictly: a quote left open would otherwise swallow every later row into one field (one example where
-    there are many, so N and δ would be wrong), so it is refused naming the line it opens on.
-
-    Args:
-        path: the file (for messages).
-        file: the file, open as :func:`utf8_text` opens it.
-        column: unused (every column of the header is read).
+    there are many, so N and δ would be wrong), so it is refused naming the line it opens on. Every column of the
+    header is read.
 
     Raises:
         ValueError: naming the file and line of a quote left open or a row with the wrong number of fields, or
@@ -274,7 +254,21 @@ def read_csv(path: Path, file: TextIO, column: str = "") -> Iterator[Record]:
         raise refusal(path, "no examples (only the header line)")
 
 
-_READERS: dict[str, Callable[[Path, TextIO, str], Iterator[Record]]] = {
+class Reader(Protocol):
+    """The reader of one file format (:func:`read_jsonl`, :func:`read_json`, :func:`read_csv`, :func:`read_txt`)."""
+
+    def __call__(self, path: Path, file: TextIO, column: str, /) -> Iterator[Record]:
+        """The file's non-blank rows, each with its 1-based line (or JSON array item) and its columns.
+
+        Args:
+            path: the file (for messages).
+            file: the file, open as :func:`utf8_text` opens it.
+            column: the name of a TXT file's one column (the other formats read every column of a row).
+        """
+        ...
+
+
+_READERS: dict[str, Reader] = {
     ".jsonl": read_jsonl,
     ".json": read_json,
     ".csv": read_csv,

@@ -12,20 +12,25 @@ class TaskSpec:
     Args:
         name: task name as given to ``data.task`` (and as the GLUE hub config name).
         text_columns: text columns of the task, named as in GLUE's TSV header and on the hub.
-        label_column: name of the label column in GLUE's TSV header.
-        tsv_columns: the full header of GLUE's TSV files (every column that must be present).
-        hub_labels: label string (as written in GLUE's TSV) of each integer hub label, by hub index.
         template: default prompt, a Python format string over ``text_columns``; the answer follows its end.
         label_words: default label words, raw label string → word; class index = position in the dict.
+        label_column: name of the label column in GLUE's TSV header.
+        id_columns: the columns of GLUE's TSV header before the text columns (an index or ids), unused but required.
+        hub_labels: label string (as written in GLUE's TSV) of each integer hub label, by hub index.
     """
 
     name: str
     text_columns: tuple[str, ...]
-    label_column: str
-    tsv_columns: tuple[str, ...]
-    hub_labels: tuple[str, ...]
     template: str
     label_words: dict[str, str] = field(hash=False)
+    label_column: str = "label"
+    id_columns: tuple[str, ...] = ()
+    hub_labels: tuple[str, ...] = ("0", "1")
+
+    @property
+    def tsv_columns(self) -> tuple[str, ...]:
+        """The full header of GLUE's TSV files (every column that must be present)."""
+        return (*self.id_columns, *self.text_columns, self.label_column)
 
     @property
     def labels(self) -> frozenset[str]:
@@ -34,44 +39,23 @@ class TaskSpec:
 
 
 SST2 = TaskSpec(
-    name="sst2",
-    text_columns=("sentence",),
-    label_column="label",
-    tsv_columns=("sentence", "label"),
-    hub_labels=("0", "1"),
-    template="{sentence} It was",
-    label_words={"0": " terrible", "1": " great"},
+    name="sst2", text_columns=("sentence",), template="{sentence} It was", label_words={"0": " terrible", "1": " great"}
 )
-
 QNLI = TaskSpec(
-    name="qnli",
-    text_columns=("question", "sentence"),
-    label_column="label",
-    tsv_columns=("index", "question", "sentence", "label"),
-    hub_labels=("entailment", "not_entailment"),
+    name="qnli", text_columns=("question", "sentence"), id_columns=("index",),
     template="Question: {question} Sentence: {sentence} Does the sentence answer the question?",
-    label_words={"not_entailment": " no", "entailment": " yes"},
-)
-
+    label_words={"not_entailment": " no", "entailment": " yes"}, hub_labels=("entailment", "not_entailment"),
+)  # fmt: skip
 QQP = TaskSpec(
-    name="qqp",
-    text_columns=("question1", "question2"),
-    label_column="is_duplicate",
-    tsv_columns=("id", "qid1", "qid2", "question1", "question2", "is_duplicate"),
-    hub_labels=("0", "1"),
+    name="qqp", text_columns=("question1", "question2"), id_columns=("id", "qid1", "qid2"),
     template="Question 1: {question1} Question 2: {question2} Same question?",
-    label_words={"0": " no", "1": " yes"},
-)
-
+    label_words={"0": " no", "1": " yes"}, label_column="is_duplicate",
+)  # fmt: skip
 SYNTHETIC = TaskSpec(
-    name="synthetic",
-    text_columns=("sentence",),
-    label_column="label",
-    tsv_columns=(),
-    hub_labels=("0", "1"),
-    template="{sentence} overall it was",
+    name="synthetic", text_columns=("sentence",), template="{sentence} overall it was",
     label_words={"0": " bad", "1": " good"},
-)
+)  # fmt: skip
+"""The built-in offline task (:mod:`dplit.data.synthetic`): it reads no TSV file."""
 
 TASKS: dict[str, TaskSpec] = {spec.name: spec for spec in (SST2, QNLI, QQP, SYNTHETIC)}
 

@@ -8,40 +8,23 @@ model's tokenizer does (its BOS if it adds one), followed by its end-of-text tok
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
 
-from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
-from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from dplit.data.batches import PadCollator, pad_token_rows, user_field
-from dplit.data.checks import check_count
-from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
-from dplit.data.files import TextRows, check_data_file, read_rows, refusal
+from dplit.data.batches import PadCollator, UnitItems, pad_token_rows, user_field
+from dplit.data.corpus import make_corpus_split
+from dplit.data.datamodule import BUILTIN, CorpusDataModule
+from dplit.data.files import TextRows, read_rows, refusal
 from dplit.data.sources import load_hub_dataset
-from dplit.data.tokenizer import load_tokenizer
-from dplit.data.users import (
-    check_several_users,
-    check_user_settings,
-    private_diagnostics_off,
-    synthetic_users,
-    user_indices,
-    warn_dominant_user,
-)
 
 if TYPE_CHECKING:
     import datasets
+    from transformers import PreTrainedTokenizerBase
 
 Split = Literal["train", "validation"]
-BUILTIN = "builtin"
-SYNTHETIC_USER_ROWS = 8
-"""The built-in corpus' users own 1 to this many consecutive rows (seeded by ``data.seed``)."""
 
 
 class TextExample(TypedDict):
@@ -52,29 +35,14 @@ class TextExample(TypedDict):
     user: NotRequired[int]
 
 
-class TextDataset(Dataset[TextExample]):
+class TextDataset(UnitItems[TextExample]):
     """Tokenised examples (with users: DP-SGD then samples and clips by user).
 
     Args:
-        examples: the tokenised rows.
+        items: the tokenised rows, an example each.
         users: each row's user, 0..U-1 (``None``: each row is its own privacy unit).
         max_rows_per_user: the most rows of one user in one DP step (``data.max_rows_per_user``).
     """
-
-    def __init__(
-        self, examples: list[TextExample], *, users: list[int] | None = None, max_rows_per_user: int = 1
-    ) -> None:
-        self.examples = examples
-        self.users = users
-        self.max_rows_per_user = max_rows_per_user
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> TextExample:
-        if self.users is None:
-            return self.examples[index]
-        return TextExample(**self.examples[index], user=self.users[index])
 
 
 class TextCollator(PadCollator):
@@ -96,174 +64,69 @@ class TextCollator(PadCollator):
         return {**batch, **user_field(examples)}
 
 
-class TextDataModule(LightningDataModule):
+class TextDataModule(CorpusDataModule):
     """Text for private next-token fine-tuning.
 
     Args:
-        dataset: ``"builtin"`` (the offline corpus of :mod:`dplit.data.corpus`, with its own tokenizer) or a
-            Hugging Face hub dataset name (loaded with ``datasets.load_dataset``); ignored for local files.
-        train_file: a local ``.jsonl`` / ``.json`` / ``.csv`` / ``.txt`` file (a TXT file is one text per line).
-        val_file: the local validation file (required with ``train_file``).
         text_column: the text column (plain text data).
         prompt_column: the prompt column of instruction data (set with ``response_column``); the loss is then
             on the response tokens only and ``text_column`` is unused.
         response_column: the response column of instruction data.
-        tokenizer: hub name or folder of the model whose tokenizer is used (ignored for ``builtin``).
-        gguf_file: a GGUF checkpoint inside the ``tokenizer`` folder.
-        batch_size: expected logical training batch size.
-        eval_batch_size: validation batch size.
-        max_length: longest example in tokens (end-of-text token included).
-        overlength: an example longer than ``max_length`` is cut at its end (``"truncate"``) or refused with its
-            file and row (``"refuse"``).
         packing: must stay ``False``: packing several rows into one sequence breaks the per-example privacy unit.
-        padding_side: pad batches on the right or the left.
-        num_workers: DataLoader worker processes.
-        max_train_examples: use only the first N training rows.
-        max_eval_examples: use only the first N validation rows.
-        builtin_train_size: training texts of the built-in corpus.
+        builtin_train_size: training texts of the built-in corpus (:mod:`dplit.data.corpus`).
         builtin_val_size: validation texts of the built-in corpus.
-        seed: seed of the built-in corpus.
-        privacy_unit: ``"example"`` (each row is protected) or ``"user"`` (each user with all of its rows: DP-SGD
-            samples users at q = ``batch_size`` / users and clips each user's summed gradient as one).
-        user_column: the column naming each training row's user (local files and hub datasets); the built-in
-            corpus draws its own users (1 to 8 consecutive rows, from ``seed``).
-        max_rows_per_user: k, the most rows of one sampled user in one step (drawn uniformly among its rows).
+        privacy_unit: ``"example"`` (each row is protected) or ``"user"`` (each user with all of its rows).
+        **kwargs: the options of :class:`~dplit.data.datamodule.CorpusDataModule` (``dataset``, ``train_file``,
+            ``val_file``, ``overlength``) and of every DataModule (:class:`~dplit.data.datamodule.DPDataModule`).
     """
+
+    COLLATOR = TextCollator
+    DATASET = TextDataset
 
     def __init__(
         self,
-        dataset: str = BUILTIN,
-        train_file: str | None = None,
-        val_file: str | None = None,
         text_column: str = "text",
         prompt_column: str | None = None,
         response_column: str | None = None,
-        tokenizer: str = "gpt2",
-        gguf_file: str | None = None,
-        batch_size: int = 32,
-        eval_batch_size: int = 64,
-        max_length: int = 256,
-        overlength: Literal["truncate", "refuse"] = "truncate",
         packing: bool = False,
-        padding_side: Literal["right", "left"] = "right",
-        num_workers: int = 0,
-        max_train_examples: int | None = None,
-        max_eval_examples: int | None = None,
         builtin_train_size: int = 8000,
         builtin_val_size: int = 400,
-        seed: int = 0,
         privacy_unit: Literal["example", "user"] = "example",
-        user_column: str | None = None,
-        max_rows_per_user: int = 1,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        check_user_settings(privacy_unit, user_column, max_rows_per_user)
-        if privacy_unit == "user" and user_column is None and (train_file is not None or dataset != BUILTIN):
-            raise ValueError("data.privacy_unit=user needs data.user_column: the column naming each row's user")
-        if packing:
+        super().__init__(privacy_unit=privacy_unit, **kwargs)
+
+    @override
+    def check_options(self) -> None:
+        """Refuse packing and half of an instruction pair's columns; warn of options this data ignores."""
+        super().check_options()
+        hp = self.hparams
+        if hp.packing:
             raise ValueError(
                 "data.packing=true is refused under DP: packing puts several rows in one sequence, so one "
                 "row's tokens shape another's gradient and the per-example privacy unit breaks"
             )
-        if (prompt_column is None) != (response_column is None):
+        if (hp.prompt_column is None) != (hp.response_column is None):
             raise ValueError("set both data.prompt_column and data.response_column (instruction data), or neither")
-        if (train_file is None) != (val_file is None):
-            raise ValueError("set both data.train_file and data.val_file, or neither")
-        if overlength not in ("truncate", "refuse"):
-            raise ValueError(f"data.overlength must be 'truncate' or 'refuse', got {overlength!r}")
-        for flag, file in {"data.train_file": train_file, "data.val_file": val_file}.items():
-            if file is not None:
-                check_data_file(flag, file)
-        _warn_ignored_options(self.hparams)
-        for name, value in {
-            "batch_size": batch_size,
-            "eval_batch_size": eval_batch_size,
-            "max_length": max_length,
-        }.items():
-            check_count(name, value, least=2 if name == "max_length" else 1, note=" (max_length ≥ 2)")
-        self.batch_size, self.eval_batch_size, self.max_length = batch_size, eval_batch_size, max_length
-        self.num_workers = num_workers
-        self.tokenizer: PreTrainedTokenizerBase = self.tokenizer_for(self.hparams)
-        if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"data.tokenizer={tokenizer!r} has no end-of-text token to end each example with")
-        self.vocab_size: int = len(self.tokenizer)
-        self.collate_fn = TextCollator(self.tokenizer.pad_token_id, padding_side)
-        self._datasets: dict[Split, TextDataset] = {}
-
-    @staticmethod
-    def tokenizer_for(hparams: Mapping[str, Any]) -> PreTrainedTokenizerBase:
-        """The tokenizer a module with these hyperparameters uses (no data is read: ``dplit export`` calls it)."""
-        builtin = hparams.get("dataset", BUILTIN) == BUILTIN and hparams.get("train_file") is None
-        name = hparams.get("tokenizer", "gpt2")
-        tokenizer = build_corpus_tokenizer() if builtin else load_tokenizer(name, hparams.get("gguf_file"))
-        tokenizer.padding_side = hparams.get("padding_side", "right")
-        return tokenizer
+        self.warn_ignored(_ignored_options(hp))
 
     @override
-    def setup(self, stage: str | None = None) -> None:
-        """Read and tokenise the splits the stage needs."""
-        if stage in ("fit", None):
-            self.dataset("train")
-        self.dataset("validation")
-
-    def dataset(self, split: Split) -> TextDataset:
-        """The tokenised ``"train"`` or ``"validation"`` split, read on first use."""
-        if split not in self._datasets:
-            rows = self._read(split)
-            examples = encode_rows(rows, self.tokenizer, self.max_length, self.hparams.overlength)
-            if not examples:
-                raise ValueError(f"{rows.source}: the {split} split has no examples")
-            rank_zero_info(f"{split}: {len(examples)} examples from {rows.source}")
-            users = self._users(rows) if split == "train" else None
-            self._datasets[split] = TextDataset(examples, users=users, max_rows_per_user=self.hparams.max_rows_per_user)
-        return self._datasets[split]
+    def encode(self, rows: TextRows) -> list[TextExample]:  # type: ignore[override]
+        """One example a row (:func:`encode_rows`)."""
+        return encode_rows(rows, self.tokenizer, self.max_length, self.hparams.overlength)
 
     @override
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (DPStrategy swaps in Poisson sampling)."""
-        return self._loader("train", self.batch_size, shuffle=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader:
-        """Validation batches, in order."""
-        return self._loader("validation", self.eval_batch_size, shuffle=False)
-
-    def _loader(self, split: Split, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(
-            self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
-            num_workers=self.num_workers,
-        )  # fmt: skip
-
-    def _read(self, split: Split) -> TextRows:
-        hp = self.hparams
-        limit = hp.max_train_examples if split == "train" else hp.max_eval_examples
-        if hp.train_file is not None:
-            file = Path(hp.train_file if split == "train" else hp.val_file).expanduser()
-            return read_rows(file, self._columns(), limit, user_column=self._user_column(split))
+    def read(self, split: str) -> TextRows:
+        hp, file, limit = self.hparams, self.local_file(split), self.limit(split)
+        if file is not None:
+            return read_rows(file, self._columns(), limit, user_column=self.user_column_of(split))
         if hp.dataset == BUILTIN:
-            size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
-            texts = make_corpus_split(split, size if limit is None else min(size, limit), hp.seed)
+            texts = make_corpus_split(
+                split, self.builtin_size(split, hp.builtin_train_size, hp.builtin_val_size), hp.seed
+            )
             return TextRows(texts, None, None, f"builtin corpus [{split}, seed={hp.seed}]")
         table = load_hub_dataset(hp.dataset, "data.dataset", split=split if limit is None else f"{split}[:{limit}]")
-        return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]", self._user_column(split))
-
-    def _users(self, rows: TextRows) -> list[int] | None:
-        """The training rows' users, 0..U-1, under ``privacy_unit: user`` (the built-in corpus: a seeded assignment)."""
-        if self.hparams.privacy_unit != "user":
-            return None
-        ids = rows.users
-        if ids is None:  # the built-in corpus: users of 1 to 8 consecutive rows
-            count = len(rows.texts or rows.responses or [])
-            ids = synthetic_users(count, seed=self.hparams.seed, most_rows=SYNTHETIC_USER_ROWS)
-        users = user_indices(ids)
-        check_several_users(users, source=rows.source, column=self.hparams.user_column)
-        warn_dominant_user(users, source=rows.source, quiet=private_diagnostics_off(self))
-        return users
-
-    def _user_column(self, split: Split) -> str | None:
-        """The user column of the training split (user-level DP); the validation split needs none."""
-        return self.hparams.user_column if split == "train" and self.hparams.privacy_unit == "user" else None
+        return _rows_of(table, self._columns(), f"{hp.dataset} [{split}]", self.user_column_of(split))
 
     def _columns(self) -> tuple[str, ...]:
         hp = self.hparams
@@ -326,8 +189,8 @@ def _row(rows: TextRows, index: int) -> str:
     return f"row {index + 1}" + (f" (line {line})" if line != index + 1 else "")
 
 
-def _warn_ignored_options(options: Mapping[str, Any]) -> None:
-    """Warn once for each TextDataModule option that was changed from its default but that this data ignores."""
+def _ignored_options(options: Mapping[str, Any]) -> dict[str, str]:
+    """The TextDataModule options this data ignores (name → why)."""
     local, builtin = options["train_file"] is not None, options["dataset"] == BUILTIN
     ignored: dict[str, str] = {}
     if local and not builtin:
@@ -341,7 +204,4 @@ def _warn_ignored_options(options: Mapping[str, Any]) -> None:
         ignored |= dict.fromkeys(("builtin_train_size", "builtin_val_size", "seed"), "only the builtin corpus uses it")
         if options["prompt_column"] is not None:
             ignored["text_column"] = "instruction data reads data.prompt_column and data.response_column"
-    defaults = inspect.signature(TextDataModule.__init__).parameters
-    for name, why in ignored.items():
-        if options[name] != defaults[name].default:
-            rank_zero_warn(f"data.{name}={options[name]!r} is ignored: {why}")
+    return ignored

@@ -11,6 +11,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 PRIVACY_UNITS = ("example", "user")
+SYNTHETIC_USER_ROWS = 8
+"""Built-in data's users own 1 to this many consecutive rows (:func:`synthetic_users`, seeded by ``data.seed``)."""
 DOMINANT_SHARE = 0.5
 """A user owning more than this share of the rows is warned about (its share, never its id)."""
 
@@ -68,20 +70,16 @@ def warn_dominant_user(users: Sequence[int], *, source: str, quiet: bool = False
         )
 
 
-def private_diagnostics_off(datamodule: object) -> bool:
-    """Whether the trainer's DP strategy keeps values computed from private data out of logs and warnings."""
-    strategy = getattr(getattr(datamodule, "trainer", None), "strategy", None)
-    return not getattr(strategy, "private_diagnostics", True)
-
-
-def check_user_settings(privacy_unit: str, user_column: str | None, max_rows_per_user: int) -> None:
-    """Refuse, in one line naming the flag, a privacy unit dplit does not know, k ≤ 0, or a stray user setting.
+def check_user_settings(
+    privacy_unit: str, user_column: str | None, max_rows_per_user: int, *, units: Sequence[str] = PRIVACY_UNITS
+) -> None:
+    """Refuse, in one line naming the flag, a privacy unit outside ``units``, k ≤ 0, or a stray user setting.
 
     A user column or a ``max_rows_per_user`` other than 1 without ``privacy_unit: user`` would train example-level
-    DP without a word (a user with k rows is then protected at about k·ε): both are refused.
+    (or pair-level) DP without a word (a user with k rows is then protected at about k·ε): both are refused.
     """
-    if privacy_unit not in PRIVACY_UNITS:
-        raise ValueError(f"data.privacy_unit must be one of {', '.join(PRIVACY_UNITS)}, got {privacy_unit!r}")
+    if privacy_unit not in units:
+        raise ValueError(f"data.privacy_unit must be one of {', '.join(units)}, got {privacy_unit!r}")
     if isinstance(max_rows_per_user, bool) or not isinstance(max_rows_per_user, int) or max_rows_per_user < 1:
         raise ValueError(f"data.max_rows_per_user must be an integer ≥ 1, got {max_rows_per_user!r}")
     if user_column is not None and privacy_unit != "user":

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from dplit.privacy.fingerprint import IndexedRows
 from dplit.privacy.sampling import poisson_loader, size_and_rate
-from dplit.privacy.user_sampling import UserLevel, user_level_of, user_poisson_loader
+from dplit.privacy.user_sampling import UnitDataset, UserLevel, user_level_of, user_poisson_loader
 
 PAIR_UNIT = "pair"
 """The privacy unit of a dataset of preference pairs (each item two rows clipped as one unit)."""
@@ -22,7 +22,7 @@ PAIR_UNIT = "pair"
 
 def row_unit_of(dataset: object) -> str:
     """The unit a dataset without users samples and clips by: ``"pair"`` when it declares pairs, else ``"example"``."""
-    return PAIR_UNIT if getattr(dataset, "privacy_unit", None) == PAIR_UNIT else "example"
+    return PAIR_UNIT if isinstance(dataset, UnitDataset) and dataset.privacy_unit == PAIR_UNIT else "example"
 
 
 @dataclass(frozen=True)

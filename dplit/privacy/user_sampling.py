@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -59,12 +59,30 @@ class UserLevel:
         return {**facts, "largest_user_rows": self.largest_user_rows} if private_diagnostics else facts
 
 
+@runtime_checkable
+class UnitDataset(Protocol):
+    """What a training set declares about its privacy unit: the one interface DP-SGD reads of a dataset.
+
+    A dataset that does not declare it (any plain ``Dataset``) is sampled and clipped by example.
+
+    Attributes:
+        privacy_unit: what one item is: ``"example"`` (a row) or ``"pair"`` (a preference pair, two rows clipped as
+            one unit).
+        users: each item's user, 0..U-1, under user-level DP (DP-SGD then samples and clips users); ``None``: each
+            item is its own unit.
+        max_rows_per_user: k, the most items of one user in one step (``data.max_rows_per_user``).
+    """
+
+    privacy_unit: str
+    users: Sequence[int] | None
+    max_rows_per_user: int
+
+
 def user_level_of(dataset: object) -> UserLevel | None:
-    """The user-level structure a training dataset declares (``users`` per row and ``max_rows_per_user``), if any."""
-    users = getattr(dataset, "users", None)
-    if users is None:
+    """The user-level structure a training dataset declares (a :class:`UnitDataset` with users), if any."""
+    if not isinstance(dataset, UnitDataset) or dataset.users is None:
         return None
-    return UserLevel(user_rows=rows_of_users(users), max_rows_per_user=int(dataset.max_rows_per_user))  # type: ignore[attr-defined]
+    return UserLevel(user_rows=rows_of_users(dataset.users), max_rows_per_user=int(dataset.max_rows_per_user))
 
 
 def user_poisson_loader(
