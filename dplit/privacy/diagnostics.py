@@ -1,7 +1,7 @@
 """Whether values computed from private data without noise may reach logs: what the trainer's strategy declares.
 
 Such values (losses, norms, prompt lengths, a user's share of the rows, timings) sit outside ε. A DP strategy
-declares :class:`DiagnosticsPolicy` (``DPStrategy(private_diagnostics=false)`` keeps them out); every logger that
+declares :class:`DiagnosticsPolicy` (the strategy's ``private_diagnostics: false`` keeps them out); every logger that
 could write one asks :func:`private_diagnostics_allowed` of the trainer's strategy, and nothing else.
 """
 
