@@ -11,6 +11,7 @@ messages the installed jsonargparse writes (``pyproject.toml`` bounds its versio
 from __future__ import annotations
 
 import re
+from typing import Any, NoReturn
 
 from dplit.backbone.adapters import MISSING_PEFT, peft_importable
 
@@ -88,3 +89,18 @@ def _expected(kind: str) -> str:
 def _peft_hint(name: str, message: str) -> str:
     """How ``model.peft`` is written, after a refusal of a value given for it."""
     return f" ({name} takes {{class_path: peft.LoraConfig, init_args: {{...}}}})" if "AdapterConfig" in message else ""
+
+
+class OneLineErrors:
+    """A jsonargparse parser mixin (before the parser class in the bases): its errors are one ``dplit: error:`` line.
+
+    Every dplit command's parser has it: LightningCLI's (:class:`dplit.cli.lightning_cli.DPLitArgumentParser`) and
+    ``dplit export``'s and ``dplit lm generate``'s (:mod:`dplit.cli.release`).
+    """
+
+    flag_prefix = ""
+    """Written before a flag's name in the line (``"--"`` where the command's flags are shown that way)."""
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
+        """Exit with status 2 after the one line stating the broken rule (no usage block)."""
+        self.exit(2, f"dplit: error: {essential_error(message, flag_prefix=self.flag_prefix)}\n")  # type: ignore[attr-defined]

@@ -13,13 +13,12 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from jsonargparse import ArgumentParser
 from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
 
-from dplit.cli.messages import essential_error
+from dplit.cli.messages import OneLineErrors
 from dplit.flag_types import PositiveInteger, PositiveNumber
 from dplit.release.export import export_checkpoint, export_summary
 from dplit.release.generate import (
@@ -40,12 +39,10 @@ from dplit.release.generate import (
 from dplit.release.guarantee import GUARANTEE_FILE
 
 
-class OneLineArgumentParser(ArgumentParser):
+class OneLineArgumentParser(OneLineErrors, ArgumentParser):
     """A jsonargparse parser whose errors are one ``dplit: error:`` line naming the ``--flag`` (no usage block)."""
 
-    @override
-    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
-        self.exit(2, f"dplit: error: {essential_error(message, flag_prefix='--')}\n")
+    flag_prefix = "--"
 
 
 def export_main(argv: list[str]) -> None:
