@@ -52,11 +52,8 @@ def number_type(
 
     def parse(value: Any) -> Any:
         number = _number(value, integer=integer)
-        if (
-            number is None
-            or finite
-            and not is_finite_number(number, minimum=minimum, above=above, maximum=maximum, below=below)
-        ):
+        in_range = is_finite_number(number, minimum=minimum, above=above, maximum=maximum, below=below)
+        if number is None or (finite and not in_range):
             raise ValueError(f"{_shown(value)}: must be {words}")
         return base(number)
 
