@@ -17,6 +17,7 @@ from dplit.backbone.adapters import MISSING_PEFT, peft_importable
 
 _KEY = re.compile(r'Parser key "(?P<key>[^"]+)"')
 _VALUE = re.compile(r"(?:Given value: |Got value: )(?P<value>[^\n]*)")
+_REQUIRED = re.compile(r"^(the following arguments are required: )(.+)$")
 _OF_TYPE = re.compile(r"^Not of type \w+: ")
 _EXPECTED_TYPE = re.compile(r"^Expected a (?P<kind><class '\w+'>|typing\.Literal\[.*\])(?:\. Got value: .*)?$")
 _NOISE = ("Expected a <class 'NoneType'>", "Expected a <class 'str'>")  # the union's other members, never the point
@@ -32,6 +33,9 @@ def essential_error(message: str, *, flag_prefix: str = "") -> str:
         flag_prefix: written before the flag's name (``"--"`` for a command whose flags are shown that way).
     """
     key = _KEY.search(message)
+    required = _REQUIRED.match(message)
+    if required is not None:  # argparse's own wording, flags named by their destinations
+        return f"{required[1]}{', '.join(f'{flag_prefix}{name}' for name in required[2].split(', '))}"
     if key is None:  # a refusal raised while building a class, inside a dump without a key; or already one line
         return _owner_line(message)
     name = f"{flag_prefix}{key['key']}"

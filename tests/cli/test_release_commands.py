@@ -52,3 +52,10 @@ def test_an_unknown_flag_is_one_line(tmp_path: Path) -> None:
     result = run_dplit_in_process("export", "--ckpt_path", "a.ckpt", "--output_dir", str(tmp_path), "--ovewrite")
     errors = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(errors) == 1 and "--ovewrite" in errors[0], result.stderr
+
+
+def test_missing_flags_are_named_as_they_are_written() -> None:
+    result = run_dplit_in_process("lm", "generate", "--model", "x")
+    assert result.stderr.strip().splitlines() == [
+        "dplit: error: the following arguments are required: --prompts_file, --num_samples, --output_file"
+    ]
