@@ -132,8 +132,8 @@ CALL_SITES: dict[str, tuple[Callable[[object], object], str]] = {
     "history q": (lambda v: epsilon_under("add_remove", [(1.0, v, 1)], delta=1e-5), r"^history\[0\]: sample rate q must be in \(0, 1\], got "),
     "sample rate": (lambda v: check_basics("rdp", v, 1e-5), r"^the Poisson sample rate q = data\.batch_size / N must be in \(0, 1\], got "),
     "--temperature": (lambda v: SamplingSettings(temperature=v), r"^--temperature=.*: must be a finite number > 0$"),
-    "--top_p": (lambda v: SamplingSettings(top_p=v), r"^--top_p=.*: must be in \(0, 1\]$"),
-    "audit.confidence": (lambda v: AuditSettings(confidence=v), r"^audit\.confidence must be in \(0, 1\), got "),
+    "--top_p": (lambda v: SamplingSettings(top_p=v), r"^--top_p=.*: must be a finite number in \(0, 1\]$"),
+    "audit.confidence": (lambda v: AuditSettings(confidence=v), r"^audit\.confidence=.*: must be a finite number in \(0, 1\)$"),
 }  # fmt: skip
 """Where dplit checks a finite number: each refuses nan, ±inf and a bool with its own flag's message."""
 

@@ -7,7 +7,7 @@ import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
@@ -23,12 +23,10 @@ from dplit.audit.claimed_curve import claimed_least_probability, epsilon_at_leas
 from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound, refutes
 from dplit.audit.simulation import GuessPlan, plan_guesses
 from dplit.audit.strategy import CanaryDPStrategy
-from dplit.numbers import is_finite_number
+from dplit.flag_types import OpenUnitNumber, check, number_type
 from dplit.strategy import DPStrategy
 
 AUDIT_FILE = "audit.json"
-MODES = ("white_box", "black_box")
-ANALYSES = ("fdp", "eps_delta")
 CANARY_LENGTH = 32
 """Tokens in a black-box canary (fewer when ``data.max_length`` is smaller)."""
 BOUNDS = {
@@ -43,39 +41,46 @@ SELECTIONS = {
 }
 
 
+CanaryCount = number_type("CanaryCount", integer=True, minimum=2)
+"""m, a number of canaries: an integer ≥ 2."""
+AuditMode = Literal["white_box", "black_box"]
+Analysis = Literal["fdp", "eps_delta"]
+
+
+@dataclass(frozen=True)
 class AuditSettings:
-    """The ``audit`` section of ``dplit audit``.
+    """The ``audit`` section of ``dplit audit``, checked when the settings are made (one line naming the flag)."""
 
-    Args:
-        canaries: m, the number of canaries (each in the run with probability 1/2).
-        mode: ``"white_box"`` (gradient canaries, scored on every step's noisy sum) or ``"black_box"``
-            (random-token training examples, scored by minus their loss under the final model).
-        analysis: ``"fdp"`` (the one-run f-DP analysis of Mahloujifar et al. 2025 with the Gaussian trade-off curve:
-            μ̂, and ε̂ at the run's δ) or ``"eps_delta"`` (the (ε, δ) analysis of Steinke et al. 2023). Both are
-            computed and reported; this one decides the verdict.
-        confidence: the confidence of the lower bound ε̂, in (0, 1).
-        seed: seeds the canaries and which are included (the auditor's own randomness); drawn and recorded if
-            unset.
-    """
+    canaries: CanaryCount = 1000
+    """m, the number of canaries (each in the run with probability 1/2)."""
 
-    def __init__(
-        self, canaries: int = 1000, mode: str = "white_box", analysis: str = "fdp", confidence: float = 0.95,
-        seed: int | None = None,
-    ) -> None:  # fmt: skip
-        if not isinstance(canaries, int) or canaries < 2:
-            raise ValueError(f"audit.canaries must be an integer ≥ 2, got {canaries!r}")
-        if mode not in MODES:
-            raise ValueError(f"audit.mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if analysis not in ANALYSES:
-            raise ValueError(f"audit.analysis must be one of {', '.join(ANALYSES)}, got {analysis!r}")
-        if not is_finite_number(confidence, above=0, below=1):
-            raise ValueError(f"audit.confidence must be in (0, 1), got {confidence!r}")
-        _check_power(canaries, float(confidence))
-        self.canaries = canaries
-        self.mode = mode
-        self.analysis = analysis
-        self.confidence = float(confidence)
-        self.seed = seed if seed is not None else secrets.randbits(31)
+    mode: AuditMode = "white_box"
+    """``"white_box"`` (gradient canaries, scored on every step's noisy sum) or ``"black_box"`` (random-token training
+    examples, scored by minus their loss under the final model)."""
+
+    analysis: Analysis = "fdp"
+    """``"fdp"`` (the one-run f-DP analysis of Mahloujifar et al. 2025 with the Gaussian trade-off curve: μ̂, and ε̂
+    at the run's δ) or ``"eps_delta"`` (the (ε, δ) analysis of Steinke et al. 2023). Both are computed and reported;
+    this one decides the verdict."""
+
+    confidence: OpenUnitNumber = 0.95
+    """The confidence of the lower bound ε̂, in (0, 1)."""
+
+    seed: int | None = None
+    """Seeds the canaries and which are included (the auditor's own randomness); drawn and recorded if unset."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "canaries", check(self.canaries, CanaryCount, flag="audit.canaries"))
+        object.__setattr__(self, "confidence", check(self.confidence, OpenUnitNumber, flag="audit.confidence"))
+        for field, kind in (("mode", AuditMode), ("analysis", Analysis)):
+            choices = get_args(kind)
+            if getattr(self, field) not in choices:
+                raise ValueError(
+                    f"audit.{field}={getattr(self, field)!r}: expected one of {', '.join(map(repr, choices))}"
+                )
+        _check_power(self.canaries, self.confidence)
+        if self.seed is None:
+            object.__setattr__(self, "seed", secrets.randbits(31))
 
 
 def _check_power(canaries: int, confidence: float) -> None:
@@ -105,8 +110,10 @@ def failures(report: dict[str, Any]) -> list[str]:
     if not report["violation"]:
         reasons = []
     elif report["analysis"] == "fdp":
-        reasons = [f"the canary guesses refute the claimed mechanism's trade-off curve at {percent} confidence "
-                   f"(ε ≥ {report['epsilon_lower_bound']:.3f} as μ-GDP, claimed ε = {report['claimed_epsilon']:.3f})"]
+        reasons = [
+            f"the canary guesses refute the claimed mechanism's trade-off curve at {percent} confidence "
+            f"(ε ≥ {report['epsilon_lower_bound']:.3f} as μ-GDP, claimed ε = {report['claimed_epsilon']:.3f})"
+        ]
     else:
         reasons = [f"the measured lower bound ε ≥ {report['epsilon_lower_bound']:.3f} exceeds the claimed ε = "
                    f"{report['claimed_epsilon']:.3f} at {percent} confidence"]  # fmt: skip
@@ -316,8 +323,9 @@ def _report(
         "violation": claim_refuted if settings.analysis == "fdp" else headline > claimed,
         "claimed_curve_refuted": claim_refuted,
         "accounting_check": _accounting_check(claim),
-        "claimed_curve": "exact G_μ, μ = √T/σ" if claim.sample_rate >= 1 else "dp-accounting PLD of the Poisson-subsampled "
-        "Gaussian (σ, q, T), pessimistic, read from below",
+        "claimed_curve": "exact G_μ, μ = √T/σ"
+        if claim.sample_rate >= 1
+        else "dp-accounting PLD of the Poisson-subsampled Gaussian (σ, q, T), pessimistic, read from below",
         "mode": settings.mode,
         "canaries": settings.canaries,
         "canaries_included": included,

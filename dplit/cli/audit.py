@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jsonargparse import set_parsing_settings
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -33,7 +34,11 @@ class AuditArguments:
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         """Add the ``audit`` section."""
         super().add_arguments_to_parser(parser)  # type: ignore[misc]
-        parser.add_class_arguments(AuditSettings, "audit", instantiate=False)
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)  # each field's docstring as its --help
+        try:
+            parser.add_class_arguments(AuditSettings, "audit", instantiate=False)
+        finally:
+            set_parsing_settings(docstring_parse_attribute_docstrings=False)  # jsonargparse's default (faster)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
         """Refuse a bad ``audit`` section or a run without DPStrategy; fix the seed; put the canaries in."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from jsonargparse import Namespace
 from lightning.pytorch import Trainer
@@ -27,7 +27,7 @@ from dplit.cli.config_checks import (
     names_a_local_file,
 )
 from dplit.cli.launch import available_cores, oversubscription_message, sigterm_without_collective
-from dplit.cli.messages import essential_error
+from dplit.cli.messages import OneLineErrors, essential_error
 from dplit.cli.run_summary import (
     INTERRUPTED_EXIT,
     PREEMPTED_EXIT,
@@ -48,12 +48,8 @@ from dplit.tasks.language_model import CausalLanguageModel
 from dplit.tasks.preference import PreferenceModel
 
 
-class DPLitArgumentParser(LightningArgumentParser):
+class DPLitArgumentParser(OneLineErrors, LightningArgumentParser):
     """LightningArgumentParser whose errors show the broken rule in one line instead of jsonargparse's union dump."""
-
-    @override
-    def error(self, message: str, *args: Any, **kwargs: Any) -> NoReturn:
-        self.exit(2, f"dplit: error: {essential_error(message)}\n")
 
     @override
     def parse_path(self, path: str | os.PathLike, *args: Any, **kwargs: Any) -> Namespace:

@@ -3,7 +3,7 @@
 ``dplit.__main__`` answers help and a mistyped command before importing this module (it imports torch and
 Lightning); everything else arrives at :func:`main`, which looks the command up in :data:`RUNNERS`: the classifier
 and LM LightningCLIs (:mod:`dplit.cli.lightning_cli`), ``dplit audit`` (:mod:`dplit.cli.audit`), ``dplit export``
-and ``dplit lm generate`` (:mod:`dplit.release.commands`).
+and ``dplit lm generate`` (:mod:`dplit.cli.release`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dplit.cli.launch import (
     process_group_initialized,
 )
 from dplit.cli.lightning_cli import run_cli, run_dpo_cli, run_lm_cli
+from dplit.cli.release import export_main, generate_main
 from dplit.cli.terminal import dependency_refusal, front_door, terminal_output
-from dplit.release.commands import export_main, generate_main
 
 Runner = Callable[[list[str]], object]
 """Runs one command on the arguments that follow its name."""

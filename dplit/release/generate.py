@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from dplit.data.batches import pad_token_rows
 from dplit.data.files import read_records, records_to_rows
-from dplit.numbers import is_finite_number, require_finite_number
+from dplit.flag_types import PositiveInteger, PositiveNumber, check, number_type
 from dplit.privacy.composition import PER_UNIT
 from dplit.release.checkpoint import check_checkpoint_file
 from dplit.release.guarantee import GUARANTEE_FILE
@@ -35,25 +35,37 @@ class Prompt:
     """Where it is in the prompts file (``"line 3"``, or ``"item 3"`` of a JSON array), for messages."""
 
 
+TopP = number_type("TopP", above=0, maximum=1)
+"""Nucleus sampling's p: a finite number in (0, 1]."""
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How continuations are drawn (checked on construction, naming the flag)."""
+    """How continuations are drawn, checked when the settings are made (one line naming the flag)."""
 
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
+    num_samples: PositiveInteger = 1
+    """Samples per prompt (at most :data:`MAX_SAMPLES` samples in all: prompts × ``--num_samples``)."""
+
+    temperature: PositiveNumber = 1.0
+    """Divides the logits before sampling: below 1 sharper, above 1 flatter."""
+
+    top_p: TopP = 1.0
+    """Nucleus sampling: draw from the fewest tokens whose probabilities sum to at least p (1: all tokens)."""
+
+    max_new_tokens: PositiveInteger = 64
+    """The most tokens a continuation gets (fewer where the model's positions run out)."""
+
     seed: int = 0
-    batch_size: int = 16
+    """Seeds the sampling (the samples are public)."""
+
+    batch_size: PositiveInteger = 16
+    """Continuations drawn at once."""
 
     def __post_init__(self) -> None:
-        for flag, value in (("num_samples", self.num_samples), ("max_new_tokens", self.max_new_tokens),
-                            ("batch_size", self.batch_size)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"--{flag}={value!r}: must be an integer ≥ 1")
-        require_finite_number(self.temperature, name="--temperature", above=0)
-        if not is_finite_number(self.top_p, above=0, maximum=1):
-            raise ValueError(f"--top_p={self.top_p!r}: must be in (0, 1]")
+        ranges = (("num_samples", PositiveInteger), ("temperature", PositiveNumber), ("top_p", TopP),
+                  ("max_new_tokens", PositiveInteger), ("batch_size", PositiveInteger))  # fmt: skip
+        for field, kind in ranges:
+            object.__setattr__(self, field, check(getattr(self, field), kind, flag=f"--{field}"))
 
 
 def read_prompts(path: str | Path, *, prompt_column: str = "prompt", label_column: str = "label") -> list[Prompt]:

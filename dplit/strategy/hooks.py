@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from dplit.flag_types import Number
 from dplit.privacy.accounting import Mechanism, PrivacyAccountant
 from dplit.privacy.clip_bound import clipping_engine
 from dplit.privacy.clipping.engine import Batch, ClippingEngine
@@ -45,7 +46,9 @@ class DPSGDHooks:
 
     Meant to precede a Lightning ``Strategy`` in the bases: every ``super()`` call here reaches that strategy. Every
     argument but ``**kwargs`` is a field of :class:`~dplit.privacy.settings.DPSGDSettings` (documented there),
-    validated when the strategy is made.
+    validated when the strategy is made, by the settings alone: a number is typed :data:`~dplit.flag_types.Number`
+    (any number, ``inf`` and ``nan`` included, read from the command line as from YAML) so that the settings word
+    every refusal of its range.
 
     Args:
         **kwargs: passed to the Lightning strategy (e.g. DDP's ``process_group_backend``, ``start_method``).
@@ -57,15 +60,15 @@ class DPSGDHooks:
     def __init__(
         self,
         *,
-        max_grad_norm: float,
+        max_grad_norm: Number,
         clip_mode: Literal["fixed", "quantile", "automatic"] = "fixed",
-        target_quantile: float | None = None,
-        clip_learning_rate: float | None = None,
-        count_noise_multiplier: float | None = None,
-        automatic_stability: float | None = None,
-        noise_multiplier: float | None = None,
-        target_epsilon: float | None = None,
-        target_delta: float | None = None,
+        target_quantile: Number | None = None,
+        clip_learning_rate: Number | None = None,
+        count_noise_multiplier: Number | None = None,
+        automatic_stability: Number | None = None,
+        noise_multiplier: Number | None = None,
+        target_epsilon: Number | None = None,
+        target_delta: Number | None = None,
         accountant: Mechanism = "prv",
         clipping: Literal["ghost", "per_example"] = "ghost",
         tied_norm: Literal["exact", "bound"] = "exact",

@@ -41,6 +41,7 @@ from dplit.backbone.quantization import (
     refuse_trainable_quantized,
 )
 from dplit.backbone.sharding import shard_task
+from dplit.flag_types import NonNegativeInteger, NonNegativeNumber, PositiveNumber, check
 from dplit.numbers import is_finite_number, require_finite_number
 from dplit.privacy.export_seal import sealed_weight_files
 from dplit.privacy.history import (
@@ -132,10 +133,10 @@ class CausalLMModule(LightningModule, ABC):
         quantization: dict[str, Any] | None = None,
         gradient_checkpointing: bool = False,
         checkpointed_share: float = 1.0,
-        lr: float = 5e-4,
-        weight_decay: float = 0.0,
+        lr: PositiveNumber = 5e-4,
+        weight_decay: NonNegativeNumber = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
-        warmup_steps: int = 0,
+        warmup_steps: NonNegativeInteger = 0,
         lr_schedule: Literal["linear", "constant"] = "linear",
     ) -> None:
         super().__init__()
@@ -423,12 +424,11 @@ def check_optimizer_settings(
     lr: float, weight_decay: float, betas: Sequence[float], warmup_steps: int, lr_schedule: str
 ) -> None:
     """Refuse AdamW and schedule settings torch would only reject in ``configure_optimizers`` (or never)."""
-    require_finite_number(lr, name="model.lr", above=0)
-    require_finite_number(weight_decay, name="model.weight_decay", minimum=0)
+    check(lr, PositiveNumber, flag="model.lr")
+    check(weight_decay, NonNegativeNumber, flag="model.weight_decay")
     if len(betas) != 2 or not all(is_finite_number(beta, minimum=0, below=1) for beta in betas):
         raise ValueError(f"model.betas={list(betas)!r}: must be two numbers in [0, 1)")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"model.warmup_steps={warmup_steps!r}: must be an integer ≥ 0")
+    check(warmup_steps, NonNegativeInteger, flag="model.warmup_steps")
     if lr_schedule not in ("linear", "constant"):
         raise ValueError(f"model.lr_schedule={lr_schedule!r}: must be 'linear' or 'constant'")
 

@@ -401,3 +401,12 @@ def test_the_verdict_says_when_no_outcome_could_refute_the_claim(ceiling: float,
     }  # fmt: skip
     line = verdict(report)[1]
     assert ("no outcome of this audit could refute it" in line) is says, line
+
+
+def test_the_audit_sections_help_is_each_fields_docstring() -> None:
+    """AuditSettings documents each field once, under it; ``dplit audit --help`` shows that text."""
+    result = run_dplit_in_process("audit", "--help")
+    assert result.returncode == 0, result.stderr
+    help_text = " ".join(result.stdout.split())
+    assert "m, the number of canaries (each in the run with probability 1/2)" in help_text
+    assert "The confidence of the lower bound ε̂, in (0, 1)" in help_text

@@ -9,6 +9,7 @@ jsonargparse upgrade changes how it writes them.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Literal, NamedTuple, Optional, Union
 
@@ -17,6 +18,7 @@ from jsonargparse import ArgumentParser
 
 from dplit.backbone.adapters import MISSING_PEFT
 from dplit.cli.messages import essential_error
+from dplit.flag_types import Number, PositiveNumber
 
 
 class Rewrite(NamedTuple):
@@ -30,46 +32,31 @@ class Rewrite(NamedTuple):
 
 REWRITES = [
     Rewrite(
-        "inf-epsilon",
-        "--trainer.strategy.init_args.target_epsilon inf",
-        (
-            'Parser key "target_epsilon":\n'
-            "  Does not validate against any of the Union subtypes\n"
-            "  Subtypes: [<class 'float'>, <class 'NoneType'>]\n"
-            "  Errors:\n"
-            "    - Expected a <class 'float'>\n"
-            "    - Expected a <class 'NoneType'>\n"
-            "  Given value type: <class 'str'>\n"
-            "  Given value: inf"
-        ),
-        "trainer.strategy.init_args.target_epsilon='inf': must be a finite number > 0",
-    ),
-    Rewrite(
-        "nan-C",
-        "--trainer.strategy.init_args.max_grad_norm nan",
-        ("Parser key \"max_grad_norm\":\n  Expected a <class 'float'>. Got value: nan"),
-        "trainer.strategy.init_args.max_grad_norm='nan': must be a finite number > 0",
-    ),
-    Rewrite(
         "delta-text",
         "--trainer.strategy.init_args.target_delta abc",
         (
             'Parser key "target_delta":\n'
             "  Does not validate against any of the Union subtypes\n"
-            "  Subtypes: [<class 'float'>, <class 'NoneType'>]\n"
+            "  Subtypes: [<class 'dplit.flag_types.Number'>, <class 'NoneType'>]\n"
             "  Errors:\n"
-            "    - Expected a <class 'float'>\n"
+            "    - Not of type Number: 'abc': must be a number\n"
             "    - Expected a <class 'NoneType'>\n"
             "  Given value type: <class 'str'>\n"
             "  Given value: abc"
         ),
-        "trainer.strategy.init_args.target_delta='abc': must be a number in (0, 1)",
+        "target_delta='abc': must be a number",
     ),
     Rewrite(
         "lr-text",
         "--model.lr abc",
-        ("Parser key \"model.lr\":\n  Expected a <class 'float'>. Got value: abc"),
-        "model.lr='abc' is not a number",
+        "Parser key \"model.lr\":\n  Not of type PositiveNumber: 'abc': must be a finite number > 0",
+        "model.lr='abc': must be a finite number > 0",
+    ),
+    Rewrite(
+        "negative-lr",
+        "--model.lr -0.001",
+        'Parser key "model.lr":\n  Not of type PositiveNumber: -0.001: must be a finite number > 0',
+        "model.lr=-0.001: must be a finite number > 0",
     ),
     Rewrite(
         "both",
@@ -84,6 +71,20 @@ REWRITES = [
             "Given value: Namespace(class_path='dplit.strategy.DPStrategy', init_args=Namespace(max_grad_norm=1.0, noise_multiplier=1.0, target_epsilon=8.0, target_delta=None, accountant='prv', clipping='ghost', tied_norm='exact', max_physical_batch_size=512, self_check=True, seed=None, allow_large_delta=False, private_diagnostics=True, accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None, ddp_comm_state=None, ddp_comm_hook=None, ddp_comm_wrapper=None, model_averaging_period=None, process_group_backend=None, timeout=datetime.timedelta(seconds=1800), start_method='popen', output_device=None, dim=0, broadcast_buffers=None, init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False, gradient_as_bucket_view=False, static_graph=False, delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False, bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None))"
         ),
         "set exactly one of DPStrategy.noise_multiplier and DPStrategy.target_epsilon (got noise_multiplier=1.0, target_epsilon=8.0)",
+    ),
+    Rewrite(
+        "strategy-refusal",
+        "--trainer.strategy.init_args.clip_mode quantile --trainer.strategy.init_args.clip_learning_rate 1000",
+        (
+            "Does not validate against any of the Union subtypes\n"
+            "Subtypes: [<class 'str'>, <class 'lightning.pytorch.strategies.strategy.Strategy'>]\n"
+            "Errors:\n"
+            "  - Expected a <class 'str'>\n"
+            "  - DPStrategy.clip_learning_rate=1000.0 is above 5.0: one update moves C by up to a factor e^η, so C would under- or overflow within a few steps (default 0.2)\n"
+            "Given value type: <class 'jsonargparse._namespace.Namespace'>\n"
+            "Given value: Namespace(class_path='dplit.strategy.DPStrategy', init_args=Namespace(max_grad_norm=1.0, clip_mode='quantile', clip_learning_rate=1000.0))"
+        ),
+        "DPStrategy.clip_learning_rate=1000.0 is above 5.0: one update moves C by up to a factor e^η, so C would under- or overflow within a few steps (default 0.2)",
     ),
     Rewrite(
         "seed-maybe",
@@ -252,10 +253,10 @@ def test_with_peft_a_short_name_it_cannot_resolve_is_not_called_missing() -> Non
 
 LIVE = [
     ("seed-maybe", "seed_everything", Union[bool, int], "maybe"),  # noqa: UP007 (the type as Lightning declares it)
-    ("inf-epsilon", "target_epsilon", Optional[float], "inf"),  # noqa: UP045
-    ("nan-C", "max_grad_norm", float, "nan"),
+    ("delta-text", "target_delta", Optional[Number], "abc"),  # noqa: UP045 (as DPStrategy declares it)
+    ("lr-text", "model.lr", PositiveNumber, "abc"),
+    ("negative-lr", "model.lr", PositiveNumber, "-0.001"),
     ("tied-norm-choice", "tied_norm", Literal["exact", "bound"], "loose"),
-    ("lr-text", "model.lr", float, "abc"),
     ("batch-size-text", "data.batch_size", int, "many"),
     ("max-epochs-text", "trainer.max_epochs", Optional[int], "abc"),  # noqa: UP045
     ("progress-bar-text", "trainer.enable_progress_bar", Optional[bool], "maybe"),  # noqa: UP045
@@ -285,3 +286,12 @@ def test_the_installed_jsonargparse_still_writes_the_pinned_messages(
 ) -> None:
     pinned = next(rewrite for rewrite in REWRITES if rewrite.name == name)
     assert parse_error(flag, kind, value) == pinned.message
+
+
+@pytest.mark.parametrize("value", ["inf", ".inf", "nan", "1e400"])
+def test_a_number_flag_takes_inf_and_nan_for_its_owner_to_refuse(value: str) -> None:
+    """``--...target_epsilon inf`` reaches DPSGDSettings, which words the refusal of ``.inf`` in YAML the same way."""
+    parser = ArgumentParser()
+    parser.add_argument("--target_epsilon", type=Optional[Number])  # noqa: UP045
+    parsed = parser.parse_args(["--target_epsilon", value]).target_epsilon
+    assert type(parsed) is float and not math.isfinite(parsed)

@@ -1,22 +1,30 @@
-"""The ``dplit export`` and ``dplit lm generate`` commands (argument parsing; the work is in their modules)."""
+"""``dplit export`` and ``dplit lm generate`` on the command line: their flags, parsed as every dplit command's are.
+
+The work is in :mod:`dplit.release.export` and :mod:`dplit.release.generate`; this module is their front end, as
+:mod:`dplit.cli.lightning_cli` is ``dplit fit``'s. The parsers are jsonargparse's (the family LightningCLI uses), so a
+flag's range is its type's (:mod:`dplit.flag_types`) and a parse error is one line naming the flag
+(:func:`dplit.cli.messages.essential_error`).
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
+from jsonargparse import ArgumentParser
 from lightning.pytorch.utilities import rank_zero_info
-from typing_extensions import override
 
+from dplit.cli.messages import OneLineErrors
+from dplit.flag_types import PositiveInteger, PositiveNumber
 from dplit.release.export import export_checkpoint, export_summary
 from dplit.release.generate import (
     MAX_SAMPLES,
     SamplingSettings,
+    TopP,
     check_device,
     check_model_source,
     check_output_file,
@@ -31,12 +39,10 @@ from dplit.release.generate import (
 from dplit.release.guarantee import GUARANTEE_FILE
 
 
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one ``dplit: error:`` line (no usage block)."""
+class OneLineArgumentParser(OneLineErrors, ArgumentParser):
+    """A jsonargparse parser whose errors are one ``dplit: error:`` line naming the ``--flag`` (no usage block)."""
 
-    @override
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"dplit: error: {self.prog}: {message}\n")
+    flag_prefix = "--"
 
 
 def export_main(argv: list[str]) -> None:
@@ -109,7 +115,7 @@ def _generate_parser() -> OneLineArgumentParser:
         "or .txt with one prompt per line",
     )  # fmt: skip
     parser.add_argument(
-        "--num_samples", type=int, required=True,
+        "--num_samples", type=PositiveInteger, required=True,
         help=f"samples per prompt (at most {MAX_SAMPLES:,} samples in all: prompts × --num_samples)",
     )  # fmt: skip
     parser.add_argument(
@@ -121,11 +127,11 @@ def _generate_parser() -> OneLineArgumentParser:
     parser.add_argument(
         "--label_column", default="label", help="label column of a .jsonl/.json/.csv prompts file (kept if present)"
     )
-    parser.add_argument("--temperature", type=float, default=defaults.temperature)
-    parser.add_argument("--top_p", type=float, default=defaults.top_p)
-    parser.add_argument("--max_new_tokens", type=int, default=defaults.max_new_tokens)
+    parser.add_argument("--temperature", type=PositiveNumber, default=defaults.temperature)
+    parser.add_argument("--top_p", type=TopP, default=defaults.top_p)
+    parser.add_argument("--max_new_tokens", type=PositiveInteger, default=defaults.max_new_tokens)
     parser.add_argument("--seed", type=int, default=defaults.seed, help="sampling seed (the samples are public)")
-    parser.add_argument("--batch_size", type=int, default=defaults.batch_size)
+    parser.add_argument("--batch_size", type=PositiveInteger, default=defaults.batch_size)
     parser.add_argument(
         "--device", default=None, help="torch device to sample on (default: cuda when available, else cpu)"
     )
