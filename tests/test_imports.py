@@ -118,6 +118,7 @@ def test_dplit_has_no_import_cycle_between_packages() -> None:
 
 LAYERS = (
     ("dplit", "dplit.numbers"),
+    ("dplit.flag_types",),
     ("dplit.privacy", "dplit.backbone"),
     ("dplit.strategy", "dplit.tasks", "dplit.callbacks"),
     ("dplit.data",),
