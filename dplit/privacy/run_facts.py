@@ -42,6 +42,7 @@ def segment_facts(
         "max_grad_norm": settings.max_grad_norm, "dataset_size": dataset_size, "delta": delta,
         "mechanism": settings.accountant, "noise": noise.describe(), "noise_secure": noise.secure,
         **unit_facts(users, diagnostics=False, unit=unit), **bound.facts(),
+        **({"people_overlap": settings.people_overlap} if settings.people_overlap is not None else {}),
     }  # fmt: skip
 
 

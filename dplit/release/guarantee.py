@@ -10,7 +10,15 @@ from typing import Any
 from dplit.data.sources import HUB_DATASET
 from dplit.privacy.accounting import PrivacyAccountant
 from dplit.privacy.accounting.relations import epsilon_under
-from dplit.privacy.composition import dp_segments, mixed_epsilon, mixed_units, protected_unit, smallest_delta
+from dplit.privacy.composition import (
+    disjoint_datasets,
+    dp_segments,
+    later_runs,
+    mixed_epsilon,
+    mixed_units,
+    protected_unit,
+    smallest_delta,
+)
 from dplit.privacy.history import GUARANTEE_FILE as GUARANTEE_FILE  # re-exported: where release code finds it
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint
 from dplit.privacy.ledger import CHECKPOINT_KEY
@@ -32,6 +40,10 @@ MIXED_RELATION = (
 MIXED_ACCOUNTANT = "dp-accounting PLD, each segment under its own relation (opacus' PRV composes one relation only)"
 NEVER_PRIVATE = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
 PRIVACY_UNIT = "one training example (one row of the training data)"
+EXAMPLE_OR_PAIR_UNIT = (
+    "one training example (one row of the training data; in a segment over preference pairs, one pair: a prompt with "
+    "its chosen and rejected answers, their two rows clipped together as one unit)"
+)
 PAIR_UNIT = (
     "one preference pair (a prompt with its chosen and rejected answers: their two rows are clipped together as one "
     "unit)"
@@ -110,7 +122,7 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "accountant_history": [list(entry) for entry in counted.accountant_history()],
         "dataset_sizes": _dataset_sizes(dp, last),
         "units_per_dataset": _units_per_dataset(dp, last),
-        "privacy_unit": privacy_unit_text(unit, {**shared, **diagnostics}, asked=publish_private_diagnostics),
+        "privacy_unit": privacy_unit_text(unit, {**shared, **diagnostics}, asked=publish_private_diagnostics, dp=dp),
         **({key: shared[key] for key in USER_FACTS} if unit == "user" else {}),
         **diagnostics,
         **({"private_diagnostics_published": list(diagnostics)} if diagnostics else {}),
@@ -120,6 +132,7 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "noise": _noise_sources(dp),
         "run_id": last.get("run_id"),
         "per_segment": varying,
+        **_people_facts(segments, delta=delta, mechanism=mechanism),
         **record,
         **facts,
     }
@@ -216,6 +229,32 @@ def _epsilon(dp: list[dict[str, Any]], counted: PrivacyHistory, *, delta: float,
     return accountant.epsilon(), mechanism
 
 
+def _people_facts(segments: list[dict[str, Any]], *, delta: float, mechanism: str) -> dict[str, Any]:
+    """What the user stated of each later fit's people, and each dataset's own ε when every fit stated none shared.
+
+    ``people_overlap``: ``[[segment number, statement]]`` (``true``, ``false`` or ``null``: not stated) for every DP
+    segment that starts a fit after the first (a refit from an export: DPO after SFT). ``epsilon_per_dataset``:
+    ``[[segment numbers, ε]]``, only when every such fit stated ``people_overlap: false``.
+    """
+    starts = later_runs(segments)
+    if not starts:
+        return {}
+    facts: dict[str, Any] = {"people_overlap": [[index + 1, segments[index].get("people_overlap")] for index in starts]}
+    groups = disjoint_datasets(segments)
+    if groups is not None:
+        facts["epsilon_per_dataset"] = [
+            [[index + 1 for index in group], _group_epsilon([segments[i] for i in group], delta, mechanism)]
+            for group in groups
+        ]
+    return facts
+
+
+def _group_epsilon(group: list[dict[str, Any]], delta: float, mechanism: str) -> float | None:
+    """ε at δ of some DP segments alone (``None``: infinite, σ = 0)."""
+    epsilon, _ = _epsilon(group, PrivacyHistory(group), delta=delta, mechanism=mechanism)
+    return epsilon if math.isfinite(epsilon) else None
+
+
 def _relation_text(dp: list[dict[str, Any]]) -> str:
     if mixed_units(dp):
         return MIXED_RELATION
@@ -264,19 +303,24 @@ def _origin_facts(origin: dict[str, Any] | None) -> dict[str, Any]:
     return {"starting_point": origin.get("description"), "starting_point_digest": origin.get("digest")}
 
 
-def privacy_unit_text(unit: str, facts: dict[str, Any], *, asked: bool = False) -> str:
-    """What one unit of protection is: a training row, or a user with all of its rows.
+def privacy_unit_text(
+    unit: str, facts: dict[str, Any], *, asked: bool = False, dp: list[dict[str, Any]] | None = None
+) -> str:
+    """What one unit of protection is: a training row, a preference pair, or a user with all of its rows.
 
     Args:
         unit: ``"user"``, ``"pair"`` or ``"example"`` (:func:`~dplit.privacy.composition.protected_unit`).
         facts: the users' k (``max_rows_per_user``, ``None`` when it differs between segments) and the largest
             user's row count when it is published.
         asked: whether the export asked for private diagnostics (``--publish_private_diagnostics``).
+        dp: the DP segments, when known: a per-example claim over some segments of preference pairs says what an
+            example is there.
     """
     if unit == "pair":
         return PAIR_UNIT
     if unit != "user":
-        return PRIVACY_UNIT
+        pairs = any(segment.get("privacy_unit") == "pair" for segment in dp or [])
+        return EXAMPLE_OR_PAIR_UNIT if pairs else PRIVACY_UNIT
     k = facts.get("max_rows_per_user")
     most = f"at most {k} of them are used" if k is not None else "at most k of them (k per segment, see the history)"
     return (
