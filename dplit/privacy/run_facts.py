@@ -29,8 +29,15 @@ def row_unit_of(dataset: object) -> str:
 
 
 def unit_facts(users: UserLevel | None, *, diagnostics: bool, unit: str = "example") -> dict[str, Any]:
-    """The unit's facts: ``unit`` (``example``, ``pair``), or the user-level counts (``diagnostics``: largest user's rows)."""
-    return {"privacy_unit": unit} if users is None else users.facts(private_diagnostics=diagnostics)
+    """The unit's facts: ``unit`` (``example``, ``pair``), or the user-level counts (``diagnostics``: largest user's rows).
+
+    A user's items are preference pairs when the dataset's unit is a pair: ``"user_rows": "pairs"`` says so (a
+    user's "rows" are then pairs, each two sequences).
+    """
+    if users is None:
+        return {"privacy_unit": unit}
+    facts = users.facts(private_diagnostics=diagnostics)
+    return {**facts, "user_rows": "pairs"} if unit == PAIR_UNIT else facts
 
 
 def segment_facts(

@@ -57,6 +57,8 @@ def _facts_table(guarantee: dict[str, Any]) -> list[str]:
     for key, name in _FACTS:
         if key not in guarantee or (key == "public_changes" and not guarantee[key]):
             continue
+        if guarantee.get("user_rows") == "pairs" and key in ("max_rows_per_user", "largest_user_rows"):
+            name = name.replace("rows", "preference pairs")
         rows.append(f"| {name} | {PER_SEGMENT if key in varying else _shown(guarantee[key])} |")
     return rows
 
@@ -134,17 +136,17 @@ def _history_notes(guarantee: dict[str, Any], segments: list[dict[str, Any]]) ->
 
 PEOPLE_STATED = {
     True: (
-        "the user stated that its data shares people with the earlier rows' data (DPStrategy.people_overlap=true, "
+        "the user stated that its data shares people with the data of the fits above it (DPStrategy.people_overlap=true, "
         "e.g. the same users gave the SFT rows and the preference pairs): ε above is what a person in both datasets "
         "has, for one unit of each together (sequential composition); a person with more units in a dataset is "
         "covered as group privacy says"
     ),
     False: (
-        "the user stated that no person in its data is in the earlier rows' data (DPStrategy.people_overlap=false; "
+        "the user stated that no person in its data is in the data of the fits above it (DPStrategy.people_overlap=false; "
         "dplit does not check it)"
     ),
     None: (
-        "whether its data shares people with the earlier rows' data was not stated (DPStrategy.people_overlap): "
+        "whether its data shares people with the data of the fits above it was not stated (DPStrategy.people_overlap): "
         "ε above composes every row as if they do (a person in both datasets, one unit of each together)"
     ),
 }

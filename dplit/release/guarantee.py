@@ -65,6 +65,12 @@ NOT_COVERED = (
     "the pretraining data of the base model and any data outside the training set",
     GROUP_PRIVACY,
 )
+PREFERENCE_DIAGNOSTICS = (
+    "under dplit dpo, the training pairs' values are such diagnostics too: train/loss (the pairs' DPO loss) and any "
+    "reward accuracy, implicit reward margin or chosen/rejected log-probability computed on training pairs are "
+    "computed from the private pairs without noise and are not covered by ε (the val/* ones are the item below)"
+)
+"""The not-covered item of a history with preference-pair segments (beside the diagnostics item)."""
 PRIVATE_DIAGNOSTICS = ("largest_user_rows",)
 """Values a guarantee can state that are computed from the private data without noise (published only on request)."""
 
@@ -91,13 +97,14 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
     dp = dp_segments(segments)
     unit = protected_unit(dp)
     public = [segment for segment in segments if segment.get("kind") == "public_change"]
-    facts = {**_training_facts(checkpoint), **_origin_facts(state.get("origin")), "not_covered": _not_covered(unit)}
+    facts = {**_training_facts(checkpoint), **_origin_facts(state.get("origin")), "not_covered": _not_covered(unit, dp)}
     record = {"privacy_history": state, "non_private_steps": counted.non_private_steps, "public_changes": len(public)}
     if not dp:
         reason = counted.reason_not_private() or NEVER_PRIVATE
         return {"differentially_private": False, "reason": reason, "protected_unit": unit, **record, **facts}
     ledger = checkpoint.get(CHECKPOINT_KEY)
     last = ledger or dp[-1]
+    user_items = {"user_rows": "pairs"} if _users_of_pairs(dp) else {}
     delta, mechanism = _delta_and_mechanism(dp, ledger)
     epsilon, accountant = _epsilon(dp, counted, delta=delta, mechanism=mechanism)
     replace_one = epsilon_under("replace_one", counted.accountant_history(), delta=delta)
@@ -122,8 +129,14 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "accountant_history": [list(entry) for entry in counted.accountant_history()],
         "dataset_sizes": _dataset_sizes(dp, last),
         "units_per_dataset": _units_per_dataset(dp, last),
-        "privacy_unit": privacy_unit_text(unit, {**shared, **diagnostics}, asked=publish_private_diagnostics, dp=dp),
+        "privacy_unit": privacy_unit_text(
+            unit,
+            {**shared, **diagnostics, **user_items},
+            asked=publish_private_diagnostics,
+            dp=dp,
+        ),
         **({key: shared[key] for key in USER_FACTS} if unit == "user" else {}),
+        **user_items,
         **diagnostics,
         **({"private_diagnostics_published": list(diagnostics)} if diagnostics else {}),
         "clipping": last.get("clipping"),
@@ -255,15 +268,28 @@ def _group_epsilon(group: list[dict[str, Any]], delta: float, mechanism: str) ->
     return epsilon if math.isfinite(epsilon) else None
 
 
+def _users_of_pairs(dp: list[dict[str, Any]]) -> bool:
+    """Whether every DP segment protected users whose items are preference pairs (``dplit dpo`` over users)."""
+    return bool(dp) and all(s.get("privacy_unit") == "user" and s.get("user_rows") == "pairs" for s in dp)
+
+
 def _relation_text(dp: list[dict[str, Any]]) -> str:
     if mixed_units(dp):
         return MIXED_RELATION
-    return USER_RELATION if protected_unit(dp) == "user" else NEIGHBOURING_RELATION
+    if protected_unit(dp) != "user":
+        return NEIGHBOURING_RELATION
+    return USER_RELATION.replace("user's rows", "user's preference pairs") if _users_of_pairs(dp) else USER_RELATION
 
 
-def _not_covered(unit: str) -> list[str]:
-    """What ε does not cover; a per-user guarantee covers a person's rows as one unit (no group-privacy item)."""
-    return [item for item in NOT_COVERED if not (unit == "user" and item == GROUP_PRIVACY)]
+def _not_covered(unit: str, dp: list[dict[str, Any]]) -> list[str]:
+    """What ε does not cover; a per-user guarantee covers a person's rows as one unit (no group-privacy item).
+
+    With a DPO segment (over pairs, or over users' pairs), the training pairs' DPO values follow the diagnostics item.
+    """
+    items = [item for item in NOT_COVERED if not (unit == "user" and item == GROUP_PRIVACY)]
+    if any(segment.get("privacy_unit") == "pair" or segment.get("user_rows") == "pairs" for segment in dp):
+        items.insert(2, PREFERENCE_DIAGNOSTICS)
+    return items
 
 
 def _dataset_sizes(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[int]:
@@ -322,10 +348,12 @@ def privacy_unit_text(
         pairs = any(segment.get("privacy_unit") == "pair" for segment in dp or [])
         return EXAMPLE_OR_PAIR_UNIT if pairs else PRIVACY_UNIT
     k = facts.get("max_rows_per_user")
+    rows = "preference pairs" if facts.get("user_rows") == "pairs" else "rows"
     most = f"at most {k} of them are used" if k is not None else "at most k of them (k per segment, see the history)"
+    largest = _largest_user_text(facts.get("largest_user_rows"), asked=asked).replace(" rows", f" {rows}")
     return (
-        f"one user (all of that user's training rows; {most} in any step, drawn at random, so a user's rows beyond "
-        f"that are not seen in that step; {_largest_user_text(facts.get('largest_user_rows'), asked=asked)})"
+        f"one user (all of that user's training {rows}; {most} in any step, drawn at random, so a user's {rows} "
+        f"beyond that are not seen in that step; {largest})"
     )
 
 

@@ -1,4 +1,4 @@
-"""A DPO model built from a DP SFT export: its card composes both fits and says how for one person (issue 53).
+"""The card of a DPO model (issue 53): built from a DP SFT export, per user of pairs, its training values not covered.
 
 The user states whether the preference data's people are also in the SFT data (``DPStrategy.people_overlap``);
 ε always composes every segment, and only a stated disjointness adds each dataset's own ε.
@@ -16,10 +16,18 @@ from dplit.cli.lightning_cli import run_dpo_cli, run_lm_cli
 from dplit.privacy.accounting import History, PrivacyAccountant
 from dplit.privacy.composition import disjoint_datasets, later_runs
 from dplit.privacy.history import HISTORY_KEY
+from dplit.privacy.run_facts import unit_facts
 from dplit.privacy.settings import DPSGDSettings
+from dplit.privacy.user_sampling import UserLevel
 from dplit.release.card import model_card
 from dplit.release.export import export_checkpoint
-from dplit.release.guarantee import EXAMPLE_OR_PAIR_UNIT, GUARANTEE_FILE, guarantee_of
+from dplit.release.guarantee import (
+    EXAMPLE_OR_PAIR_UNIT,
+    GUARANTEE_FILE,
+    NOT_COVERED,
+    PREFERENCE_DIAGNOSTICS,
+    guarantee_of,
+)
 from tests.helpers.commands import checkpoint_of, dpo_args, lm_args, steps
 
 DELTA = 1e-5
@@ -74,7 +82,7 @@ def test_disjoint_people_add_each_datasets_own_epsilon_and_keep_the_composed_one
     assert (first_rows, second_rows) == ([1], [2, 3])
     assert first == pytest.approx(sft, rel=1e-9) and second == pytest.approx(dpo, rel=1e-9)
     assert max(first, second) < guarantee["epsilon"]
-    assert "no person in its data is in the earlier rows' data (DPStrategy.people_overlap=false" in card
+    assert "no person in its data is in the data of the fits above it (DPStrategy.people_overlap=false" in card
     assert f"row(s) 1: ε = {first:.6g}; row(s) 2, 3: ε = {second:.6g}" in card
 
 
@@ -101,6 +109,42 @@ def test_one_fit_and_its_resumes_say_nothing_of_people() -> None:
 def test_people_overlap_must_be_a_boolean() -> None:
     with pytest.raises(ValueError, match=r"^DPStrategy.people_overlap must be true, false or null, got 'yes'$"):
         DPSGDSettings(max_grad_norm=1.0, noise_multiplier=1.0, people_overlap="yes")  # type: ignore[arg-type]
+
+
+def test_the_training_pairs_dpo_values_are_named_not_covered_beside_the_diagnostics() -> None:
+    dpo, _ = card_of(sft_then_dpo(True))
+    sft, _ = card_of(sft_then_dpo(True)[:1])
+    assert sft["not_covered"] == list(NOT_COVERED) and PREFERENCE_DIAGNOSTICS not in sft["not_covered"]
+    assert dpo["not_covered"] == [*NOT_COVERED[:2], PREFERENCE_DIAGNOSTICS, *NOT_COVERED[2:]]
+    for value in ("train/loss", "reward accuracy", "margin", "log-probability"):
+        assert value in PREFERENCE_DIAGNOSTICS
+
+
+def users_of_pairs(**facts: Any) -> dict[str, Any]:
+    """A DPO segment over users (50 of them, at most 2 pairs each per step), as the history records it."""
+    return segment("dpo", "user", 1.0, 0.1, 5, users=50, max_rows_per_user=2, dataset_size=50, **facts)
+
+
+def test_a_per_user_card_of_pairs_says_pairs_where_it_says_rows() -> None:
+    guarantee, card = card_of([users_of_pairs(user_rows="pairs")])
+    assert guarantee["protected_unit"] == "user" and guarantee["user_rows"] == "pairs"
+    assert guarantee["privacy_unit"].startswith("one user (all of that user's training preference pairs; at most 2")
+    assert "a user's preference pairs beyond that" in guarantee["privacy_unit"]
+    assert "add/remove one user with all of that user's preference pairs" in guarantee["neighbouring_relation"]
+    assert "| preference pairs of a user per step (at most) | 2 |" in card and PREFERENCE_DIAGNOSTICS in card
+    rows, rows_card = card_of([users_of_pairs()])  # a dplit lm segment over users: rows, as before
+    assert "user_rows" not in rows and "training rows;" in rows["privacy_unit"]
+    assert "| rows of a user per step (at most) | 2 |" in rows_card
+    mixed, _ = card_of([users_of_pairs(), users_of_pairs(user_rows="pairs")])  # rows then pairs: not all pairs
+    assert "user_rows" not in mixed and "training rows;" in mixed["privacy_unit"]
+
+
+def test_a_user_level_dpo_run_records_that_its_users_items_are_pairs() -> None:
+    level = UserLevel(user_rows=[[0, 1], [2]], max_rows_per_user=2)
+    assert unit_facts(level, diagnostics=False, unit="pair")["user_rows"] == "pairs"
+    assert "user_rows" not in unit_facts(level, diagnostics=False) and unit_facts(
+        None, diagnostics=False, unit="pair"
+    ) == {"privacy_unit": "pair"}
 
 
 # --- end to end: dplit lm fit, export, dplit dpo fit from that export, export ---------------------------------------
