@@ -132,12 +132,16 @@ class PreferenceModel(CausalLMModule):
         return self._sharded_reference
 
     def _check_reference(self) -> None:
+        """Compare a loaded checkpoint's reference digest with this run's (sharded: also keep it for the saves)."""
+        if self._loaded_reference is None and (self._sharded_reference is not None or not self._is_sharded()):
+            return  # nothing to compare, and nothing to keep
         digest = self._reference_digest()
         if self._loaded_reference is not None and self._loaded_reference != digest:
             raise ValueError(
                 "--ckpt_path: this run's DPO reference (the starting weights: model.pretrained, or model.config with "
                 "seed_everything) is not the one the checkpoint was trained against; use the same starting weights"
             )
+        self._loaded_reference = None  # checked: the reference never changes after
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
