@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from dplit.data.batches import PadCollator, pad_token_rows
 from dplit.data.checks import check_count
+from dplit.data.conversation import render_conversations
 from dplit.data.corpus import build_corpus_tokenizer
 from dplit.data.files import check_data_file, read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
@@ -254,14 +255,22 @@ class PreferenceDataModule(LightningDataModule):
         if hp.train_file is not None:
             user_column = hp.user_column if split == "train" and hp.privacy_unit == "user" else None
             file = Path(hp.train_file if split == "train" else hp.val_file).expanduser()
-            return read_preference_file(file, limit, user_column=user_column)
+            return read_preference_file(file, limit, user_column=user_column, tokenizer=self.tokenizer)
         size = hp.builtin_train_size if split == "train" else hp.builtin_val_size
         rows = make_preference_split(split, size if limit is None else min(size, limit), hp.seed)
         return PreferenceRows(rows, f"builtin preference set [{split}, seed={hp.seed}]")
 
 
-def read_preference_file(path: Path, limit: int | None = None, *, user_column: str | None = None) -> PreferenceRows:
+def read_preference_file(
+    path: Path,
+    limit: int | None = None,
+    *,
+    user_column: str | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreferenceRows:
     """The ``prompt``, ``chosen`` and ``rejected`` columns of a local JSONL / JSON / CSV file (``files.py``'s readers).
+
+    Rows whose columns are lists of messages are rendered with ``tokenizer``'s chat template (:mod:`~dplit.data.conversation`).
 
     Raises:
         ValueError: one line naming the file (and the row) for what ``read_records`` refuses, a missing column or a
@@ -270,6 +279,7 @@ def read_preference_file(path: Path, limit: int | None = None, *, user_column: s
     if path.suffix.lower() == ".txt":
         raise refusal(path, "a .txt file has no prompt, chosen and rejected columns; use a .jsonl, .json or .csv file")
     records = read_records(path, COLUMNS, limit)
+    records = render_conversations(path, records, tokenizer) if tokenizer is not None else records
     first = records_to_rows(path, records, COLUMNS)  # checks all three columns; gathers prompt and chosen
     rejected = records_to_rows(path, records, ("rejected",)).texts or []
     rows = [PreferenceRow(*values) for values in zip(first.prompts or [], first.responses or [], rejected, strict=True)]
