@@ -153,15 +153,18 @@ class PreferenceModel(CausalLMModule):
         """The four sequence log-probabilities of each pair of ``batch`` (and its answers' token counts)."""
         _check_layout(batch)
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        with self.reference.active(self.backbone) as reference:  # no gradient; first, before the policy's pass
-            if reference is self.backbone:  # adapters off: through the task, whose sharded root gathers its weights
-                reference_logits = self(ids, mask)
-            else:
-                reference_logits = reference(input_ids=ids, attention_mask=mask, position_ids=positions_of(mask)).logits
-            reference_logps, _ = sequence_log_probs(reference_logits, batch)
+        reference_logps, _ = sequence_log_probs(self.reference_logits(ids, mask), batch)  # first, no gradient
         policy_logps, tokens = sequence_log_probs(self(ids, mask), batch)
         policy, ref, counts = policy_logps.view(-1, 2), reference_logps.view(-1, 2), tokens.view(-1, 2)
         return PairLogProbs(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
+
+    def reference_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] of the reference, without gradient."""
+        with self.reference.active(self.backbone) as reference:  # under torch.no_grad
+            if reference is self.backbone:  # adapters off: through the task, whose sharded root gathers its weights
+                return self(input_ids, attention_mask)
+            positions = positions_of(attention_mask)
+            return reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
 
     def pair_losses(self, pairs: PairLogProbs) -> Tensor:
         """Each pair's loss [P] under the model's β, label smoothing and loss type."""
@@ -172,9 +175,20 @@ class PreferenceModel(CausalLMModule):
     def per_example_loss(self, batch: Batch) -> Tensor:
         """One value per row [B]: the pair's loss on its chosen row, 0 on its rejected row (a unit sums to its loss)."""
         if batch["input_ids"].shape[0] == 1 and not batch["attention_mask"].any():
-            return self.per_example_loss(_placeholder_pair(batch))[:1]
+            return self._placeholder_loss(batch)
         losses = self.pair_losses(self.pair_log_probs(batch))  # [P]
         return torch.stack([losses, torch.zeros_like(losses)], dim=1).reshape(-1)  # [2P] = [B]
+
+    def _placeholder_loss(self, batch: Batch) -> Tensor:
+        """A sharded rank's placeholder: one empty row whose loss DP-SGD multiplies by 0 ([1]).
+
+        Every rank must run the same passes through the sharded weights: the reference's and the policy's, as for a
+        pair, on the placeholder's one row (the engines expect one value per row it has).
+        """
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        self.reference_logits(ids, mask)
+        logps, _ = sequence_log_probs(self(ids, mask), batch)
+        return logps
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
@@ -234,16 +248,6 @@ def sequence_log_probs(logits: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
     token_logps = -F.cross_entropy(predicted.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
     answer = (batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]).to(token_logps.dtype)
     return (token_logps * answer).sum(1), answer.sum(1)
-
-
-def _placeholder_pair(batch: Batch) -> Batch:
-    """A sharded run's placeholder (one empty row, whose loss DP-SGD multiplies by 0) laid out as a pair of such rows.
-
-    Every rank must run the same passes through the sharded weights: the reference's and the policy's, as a pair.
-    """
-    pair = {key: value.repeat(2, *[1] * (value.dim() - 1)) for key, value in batch.items()}
-    pair[CHOSEN_KEY] = torch.tensor([1, 0], device=batch["input_ids"].device, dtype=torch.long)
-    return pair
 
 
 def _check_layout(batch: Batch) -> None:

@@ -193,17 +193,16 @@ def test_pairs_are_exact_under_activation_checkpointing(family: str, policy: str
 
 @pytest.mark.parametrize("policy", ["tied", "lora"])
 def test_a_sharded_ranks_placeholder_runs_both_passes_and_adds_exactly_zero(policy: str) -> None:
-    """A rank with fewer micro-batches runs one empty row (dplit's placeholder): as a pair, through both passes."""
+    """A rank with fewer micro-batches runs one empty row (dplit's placeholder) through both passes, as DPSGD does."""
     model = tiny_preference_model("gpt2", policy)
     placeholder = placeholder_example(without_units(pair_batch()))
-    calls = []
-    model.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-    loss = model.per_example_loss(placeholder)
-    assert loss.shape == (1,) and torch.isfinite(loss).all()
-    (loss * 0.0).sum().backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert all(g is None or (torch.isfinite(g).all() and not g.any()) for g in grads)
-    if policy == "lora":
-        assert calls == [False, True]  # the reference (adapters off, no gradient) and the policy, both through the task
-    else:
-        assert calls == [True]  # the frozen copy is a separate module; the policy runs through the task
+    calls: list[tuple[bool, int]] = []
+    model.register_forward_hook(lambda _, args, __: calls.append((torch.is_grad_enabled(), args[0].shape[0])))
+    stats, grads = run(GhostEngine(model, max_grad_norm=1.0), model, lambda rows: model.per_example_loss(rows) * 0.0,
+                       placeholder)  # fmt: skip
+    assert stats.losses.shape == (1,) and torch.isfinite(stats.losses).all() and torch.isfinite(stats.norms).all()
+    assert all(not grad.any() for grad in grads.values())
+    if policy == "lora":  # the reference (adapters off, no gradient) and the policy, both through the task, one row
+        assert [call for call in calls if not call[0]] and all(rows == 1 for _, rows in calls)
+    else:  # the frozen copy is a separate module; the policy runs through the task
+        assert calls and all(grad and rows == 1 for grad, rows in calls)
