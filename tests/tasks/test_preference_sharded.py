@@ -1,7 +1,7 @@
 """``dplit dpo`` under ShardedDPStrategy: two gloo processes on FSDP2, the reference sharded with the policy (issue 53).
 
 The frozen reference copy is sharded as the task is; with LoRA the reference is the sharded backbone with its adapters
-off. A rank with fewer micro-batches runs a placeholder pair through both passes.
+off. A rank with fewer micro-batches runs its placeholder row through both passes.
 """
 
 from __future__ import annotations
