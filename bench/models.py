@@ -79,6 +79,14 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
     embeddings = TiedEmbeddings() if args.policy == "tied" else UntiedEmbeddings(init="copy")
     _, lora, train_embeddings = adapters(args.method)
     peft = {"peft": lora_config(args.model), "train_embeddings": train_embeddings} if lora else {}
+    if args.task == "dpo":
+        from dplit.tasks.preference import PreferenceModel
+
+        preference_model = PreferenceModel(
+            config=backbone_config(args.model, args.seq_len), embeddings=embeddings, dropout=0.0,
+            attn_implementation="eager", lr=args.lr, beta=0.1, **peft,
+        )  # fmt: skip
+        return preference_model.to(device).train()
     if args.task == "lm":
         from dplit.tasks.language_model import CausalLanguageModel
 
@@ -101,8 +109,15 @@ def build_model(args: argparse.Namespace, device: Any) -> Any:
 
 
 def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
-    """One batch of B random sequences of T real tokens (no padding), with random labels, seeded by ``--seed``."""
+    """One batch of B random sequences of T real tokens (no padding), with random labels, seeded by ``--seed``.
+
+    ``--task dpo``: B preference pairs, 2B rows of T tokens (each pair's chosen then rejected row, a shared prompt of
+    T/2 tokens, the answers' T/2 tokens in the loss mask), both rows of a pair one privacy unit.
+    """
     import torch
+
+    if args.task == "dpo":
+        return preference_batch(args, device)
 
     generator = torch.Generator().manual_seed(args.seed + 1)
     shape = (args.batch_size, args.seq_len)
@@ -112,4 +127,28 @@ def make_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
         "attention_mask": torch.ones(shape, dtype=torch.long).to(device),  # all real tokens, no padding
         "labels": torch.randint(0, classes, (args.batch_size,), generator=generator).to(device),
         "loss_mask": torch.ones(shape, dtype=torch.long).to(device),  # lm: every token is trained
+    }
+
+
+def preference_batch(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    """B random preference pairs as ``dplit.data.preference``'s collate lays them out: 2B rows of T real tokens."""
+    import torch
+
+    from dplit.privacy.clipping.units import UNIT_KEY
+    from dplit.tasks.preference import CHOSEN_KEY
+
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    pairs, length, vocab = args.batch_size, args.seq_len, VOCAB_SIZES[family(args.model)]
+    prompt = length // 2
+    ids = torch.randint(0, vocab, (pairs, 2, length), generator=generator)
+    ids[:, 1, :prompt] = ids[:, 0, :prompt]  # one prompt per pair, two answers
+    answer = torch.zeros(length, dtype=torch.long)
+    answer[prompt:] = 1
+    rows = 2 * pairs
+    return {
+        "input_ids": ids.reshape(rows, length).to(device),
+        "attention_mask": torch.ones(rows, length, dtype=torch.long).to(device),
+        "loss_mask": answer.expand(rows, length).clone().to(device),
+        CHOSEN_KEY: torch.tensor([1, 0] * pairs, dtype=torch.long).to(device),
+        UNIT_KEY: torch.arange(pairs).repeat_interleave(2).to(device),
     }

@@ -70,8 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "shape (Llama, 30 layers, width 576), its targets are stated for --batch-sizes 16 "
                              "--seq-len 64")
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=None)
-    parser.add_argument("--task", choices=("classify", "lm"), default="classify",
-                        help="lm: the causal-LM step (next-token loss at every position) -> results/lm")
+    parser.add_argument("--task", choices=("classify", "lm", "dpo"), default="classify",
+                        help="lm: the causal-LM step (next-token loss at every position) -> results/lm; dpo: the "
+                             "DPO step (B pairs of two rows, the reference pass counted in every method) -> results/dpo")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument(
         "--configs", nargs="+", default=None, metavar="METHOD:POLICY",
@@ -110,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.steps = args.steps if args.steps is not None else (5 if args.quick else 3)
     args.timeout = args.timeout or (300.0 if args.quick else 3600.0)
     only_smollm2 = set(args.models) <= {"smollm2", "smollm2_tiny"}  # its own folder: the GPT-2 results stay as they are
-    folder = "lora" if args.lora else "lm" if args.task == "lm" else "quick" if args.quick else "smollm2" if only_smollm2 else ""
+    folder = "lora" if args.lora else args.task if args.task in ("lm", "dpo") else "quick" if args.quick else "smollm2" if only_smollm2 else ""
     args.configs = args.configs or list(LORA_CONFIGS if args.lora else DEFAULT_CONFIGS)
     args.out = args.out or ROOT / "bench" / "results" / folder
     configs = []

@@ -12,6 +12,9 @@ random token sequences of T real tokens, one full optimizer step per iteration:
 * ``dplit_per_example``: the same with dplit's materialising reference engine (vmap of per-example grads).
 * ``opacus_hooks`` / ``opacus_ghost``: opacus ``PrivacyEngine.make_private(grad_sample_mode=...)`` on the same
   module and AdamW; ghost uses the returned loss wrapper (two backward passes inside ``loss.backward()``).
+* ``--task dpo``: the same methods on a PreferenceModel (``dplit dpo``'s task): B preference pairs, each two rows
+  of T tokens clipped as one unit; every step (private or not) runs the reference's forward pass too (with LoRA:
+  the backbone with its adapters off; without: a frozen copy).
 * ``<method>_lora``: the same on the model with rank-8 LoRA on every projection (peft; base weights and embeddings
   frozen); ``<method>_lora_embedding``: with the input/output embedding trained beside the adapters.
 
@@ -60,11 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--method", choices=METHODS, required=True)
     parser.add_argument("--policy", choices=POLICIES, required=True, help="tied or untied input/output embeddings")
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
-    parser.add_argument("--task", choices=("classify", "lm"), default="classify",
+    parser.add_argument("--task", choices=("classify", "lm", "dpo"), default="classify",
                         help="classify: label-word head at the last token; lm: next-token loss at every position "
-                             "(CausalLanguageModel, full vocabulary, summed per example)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
+                             "(CausalLanguageModel, full vocabulary, summed per example); dpo: PreferenceModel's DPO "
+                             "loss (β = 0.1) on B pairs of two rows each, the reference's forward pass included")
+    parser.add_argument("--batch-size", type=int, default=8, help="examples, or preference pairs with --task dpo")
+    parser.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (per row of a pair)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first (allocations, AdamW state)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps; the median is reported")
     parser.add_argument("--sigma", type=float, default=1.0, help="noise multiplier σ (speed does not depend on it)")
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "policy": args.policy,
         "model": args.model,
         "batch": args.batch_size,
+        "task": args.task,
         "seq_len": args.seq_len,
         "device": str(device),
         "memory_kind": "cuda_max_allocated" if cuda else "peak_rss",

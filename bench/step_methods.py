@@ -39,7 +39,7 @@ def shipped_dp_step(
     clipping = "ghost" if adapters(args.method)[0] == "dplit_ghost" else "per_example"
     settings = DPSGDSettings(
         max_grad_norm=args.max_grad_norm, noise_multiplier=args.sigma, clipping=clipping, tied_norm="exact",
-        max_physical_batch_size=args.batch_size, self_check=False,
+        max_physical_batch_size=batch["input_ids"].shape[0], self_check=False,  # one micro-batch (pairs: 2B rows)
     )  # fmt: skip
     dpsgd = DPSGD(model, settings, history=model.privacy_history)
     dpsgd.sample(DataLoader(TensorDataset(torch.arange(100 * args.batch_size)), batch_size=args.batch_size))

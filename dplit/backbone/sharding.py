@@ -38,6 +38,20 @@ def shard_task(task: nn.Module, mesh: DeviceMesh, *, entry_points: tuple[str, ..
         register_fsdp_forward_method(task, name)
 
 
+def shard_frozen_copy(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Shard a frozen causal LM held outside the task (DPO's reference copy) as :func:`shard_task` shards the task.
+
+    Its weights are first made rank 0's on every rank (as the task's are), then each transformer block and the
+    model itself become FSDP2 units over ``mesh``: every rank holds a shard, and each forward pass gathers them.
+    """
+    refuse_quantized_base(model)
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.data, src=0, group=mesh.get_group())
+    for block in transformer_blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
 def refuse_quantized_base(task: nn.Module) -> None:
     """Refuse a bitsandbytes-quantised base in one line: FSDP2 cannot shard its packed integer weights."""
     layer = next((name for name, _ in quantized_modules(task)), None)

@@ -20,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from dplit.data.batches import PadCollator, UnitItems, pad_token_rows
+from dplit.data.conversation import render_conversations
 from dplit.data.datamodule import BUILTIN, CorpusDataModule
 from dplit.data.files import read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
@@ -139,15 +140,25 @@ class PreferenceDataModule(CorpusDataModule):
     def read(self, split: str) -> PreferenceRows:
         hp, file = self.hparams, self.local_file(split)
         if file is not None:
-            return read_preference_file(file, self.limit(split), user_column=self.user_column_of(split))
+            return read_preference_file(
+                file, self.limit(split), user_column=self.user_column_of(split), tokenizer=self.tokenizer
+            )
         rows = make_preference_split(
             split, self.builtin_size(split, hp.builtin_train_size, hp.builtin_val_size), hp.seed
         )
         return PreferenceRows(rows, f"builtin preference set [{split}, seed={hp.seed}]")
 
 
-def read_preference_file(path: Path, limit: int | None = None, *, user_column: str | None = None) -> PreferenceRows:
+def read_preference_file(
+    path: Path,
+    limit: int | None = None,
+    *,
+    user_column: str | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreferenceRows:
     """The ``prompt``, ``chosen`` and ``rejected`` columns of a local JSONL / JSON / CSV file (``files.py``'s readers).
+
+    Rows whose columns are lists of messages are rendered with ``tokenizer``'s chat template (:mod:`~dplit.data.conversation`).
 
     Raises:
         ValueError: one line naming the file (and the row) for what ``read_records`` refuses, a missing column or a
@@ -156,6 +167,7 @@ def read_preference_file(path: Path, limit: int | None = None, *, user_column: s
     if path.suffix.lower() == ".txt":
         raise refusal(path, "a .txt file has no prompt, chosen and rejected columns; use a .jsonl, .json or .csv file")
     records = read_records(path, COLUMNS, limit)
+    records = render_conversations(path, records, tokenizer) if tokenizer is not None else records
     first = records_to_rows(path, records, COLUMNS)  # checks all three columns; gathers prompt and chosen
     rejected = records_to_rows(path, records, ("rejected",)).texts or []
     rows = [PreferenceRow(*values) for values in zip(first.prompts or [], first.responses or [], rejected, strict=True)]

@@ -66,3 +66,37 @@ def smallest_delta(segments: Iterable[Mapping[str, Any]], default: float | None 
 def mixed_epsilon(segments: Sequence[Mapping[str, Any]], *, delta: float) -> float:
     """ε at δ of a history whose segments compose under different relations (dp-accounting's PLD)."""
     return epsilon_composed(related_segments(segments), delta=delta)
+
+
+def later_runs(segments: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Indices (in ``segments``) of the DP segments that start a fit after the first one (a resume does not)."""
+    starts: list[int] = []
+    previous: object = None
+    for index, segment in enumerate(segments):
+        if segment.get("kind") != "dp":
+            continue
+        if previous is not None and segment.get("run_id") != previous:
+            starts.append(index)
+        previous = segment.get("run_id")
+    return starts
+
+
+def disjoint_datasets(segments: Sequence[Mapping[str, Any]]) -> list[list[int]] | None:
+    """The DP segments' indices grouped by dataset, when every later fit stated it shares no people with earlier data.
+
+    A fit whose run stated ``people_overlap: false`` (:class:`~dplit.privacy.settings.DPSGDSettings`) trained on
+    people none of whom is in the data of any earlier segment; its resumes stay in its group. Then a person is in
+    one group's data only, and the weights are a post-processing of the other groups' outputs for that person:
+    each group's own ε is theirs. ``None`` when any later fit stated an overlap or stated nothing (or there is no
+    later fit): every segment then composes for one person.
+    """
+    starts = later_runs(segments)
+    if not starts or any(segments[index].get("people_overlap") is not False for index in starts):
+        return None
+    groups: list[list[int]] = []
+    for index, segment in enumerate(segments):
+        if segment.get("kind") == "dp":
+            if not groups or index in starts:
+                groups.append([])
+            groups[-1].append(index)
+    return groups

@@ -39,6 +39,7 @@ def segment_facts(
         "max_grad_norm": settings.max_grad_norm, "dataset_size": units.size if units else None, "delta": delta,
         "mechanism": settings.accountant, "noise": noise.describe(), "noise_secure": noise.secure,
         **unit_facts(units, private_diagnostics=False), **bound.facts(),
+        **({"people_overlap": settings.people_overlap} if settings.people_overlap is not None else {}),
     }  # fmt: skip
 
 

@@ -106,6 +106,14 @@ class DPSGDSettings:
     the model card quotes the statement verbatim. Used only when such a change is found before the fit; remove it
     from the config once used."""
 
+    people_overlap: bool | None = None
+    """Your statement, when the weights start from a dplit export (e.g. DP-DPO after a DP SFT run): whether this run's
+    training data holds people who are also in the data of the DP segments the weights already carry. ``true`` (the
+    same users gave both): ε composes every segment, and protects a person in both datasets for one unit of each
+    together. ``false`` (no person in both; dplit does not check it): ε still composes every segment, and the card
+    also states each dataset's own ε, what a person in that dataset only has. Unset: not stated, composed as if they
+    overlap. Recorded in this run's segment of the weights' history; the card says how the segments compose."""
+
     flag_owner: str = FLAG_OWNER
     """The strategy whose flags the refusals name (:data:`~dplit.privacy.refusal.DEFAULT_OWNER` unless the strategy says otherwise)."""
 
@@ -136,6 +144,10 @@ class DPSGDSettings:
         ):
             raise ValueError(
                 f"{self.flag_owner}.public_change must be a non-empty statement of what was done, got {self.public_change!r}"
+            )
+        if self.people_overlap is not None and not isinstance(self.people_overlap, bool):
+            raise ValueError(
+                f"{self.flag_owner}.people_overlap must be true, false or null, got {self.people_overlap!r}"
             )
 
     def _check_clip_mode_knobs(self) -> None:

@@ -31,6 +31,7 @@ class TrainingUnits:
 
     Attributes:
         name: ``"example"``, ``"pair"`` or ``"user"``.
+        item: what one item of the dataset is, ``"example"`` or ``"pair"`` (a user's items, under ``"user"``).
         size: N, the number of units.
         sample_rate: q = expected units per logical batch / N.
         rows: the training rows, by index.
@@ -38,6 +39,7 @@ class TrainingUnits:
     """
 
     name: str
+    item: str
     size: int
     sample_rate: float
     rows: IndexedRows
@@ -49,8 +51,9 @@ class TrainingUnits:
         users = user_level_of(loader.dataset)
         count = users.users if users is not None else len(loader.dataset)  # type: ignore[arg-type]
         size, rate = size_and_rate(loader, count, users=users is not None)
-        name = "user" if users is not None else row_unit_of(loader.dataset)
-        return cls(name=name, size=size, sample_rate=rate, rows=loader.dataset, users=users)  # type: ignore[arg-type]
+        item = row_unit_of(loader.dataset)
+        name = "user" if users is not None else item
+        return cls(name=name, item=item, size=size, sample_rate=rate, rows=loader.dataset, users=users)  # type: ignore[arg-type]
 
     @property
     def expected_batch_size(self) -> float:
@@ -65,7 +68,11 @@ class TrainingUnits:
         return poisson_loader(loader, sample_rate=self.sample_rate, **where)
 
     def facts(self, *, private_diagnostics: bool) -> dict[str, Any]:
-        """The unit's facts: ``privacy_unit``, and the user-level counts (``private_diagnostics``: largest user's rows)."""
+        """The unit's facts: ``privacy_unit``, and the user-level counts (``private_diagnostics``: largest user's rows).
+
+        A user's items are preference pairs when the dataset's items are pairs: ``"user_rows": "pairs"`` says so.
+        """
         if self.users is None:
             return {"privacy_unit": self.name}
-        return self.users.facts(private_diagnostics=private_diagnostics)
+        facts = self.users.facts(private_diagnostics=private_diagnostics)
+        return {**facts, "user_rows": "pairs"} if self.item == PAIR_UNIT else facts

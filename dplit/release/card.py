@@ -57,6 +57,8 @@ def _facts_table(guarantee: dict[str, Any]) -> list[str]:
     for key, name in _FACTS:
         if key not in guarantee or (key == "public_changes" and not guarantee[key]):
             continue
+        if guarantee.get("user_rows") == "pairs" and key in ("max_rows_per_user", "largest_user_rows"):
+            name = name.replace("rows", "preference pairs")
         rows.append(f"| {name} | {PER_SEGMENT if key in varying else _shown(guarantee[key])} |")
     return rows
 
@@ -123,10 +125,45 @@ def _history_notes(guarantee: dict[str, Any], segments: list[dict[str, Any]]) ->
             "ε above composes every DP-SGD row at the smallest of their δ, as if all were on the same data (an "
             "upper bound for each dataset)."
         ]
+    notes += _people_notes(guarantee)
     if any(segment.get("kind") == "public_change" for segment in segments):
         notes.append(
             f"A {PUBLIC_CHANGE} is the user's statement that the change used no private data, quoted verbatim: "
             "dplit does not check it; it adds no ε and does not make the weights non-private."
+        )
+    return notes
+
+
+PEOPLE_STATED = {
+    True: (
+        "the user stated that its data shares people with the data of the fits above it (DPStrategy.people_overlap=true, "
+        "e.g. the same users gave the SFT rows and the preference pairs): ε above is what a person in both datasets "
+        "has, for one unit of each together (sequential composition); a person with more units in a dataset is "
+        "covered as group privacy says"
+    ),
+    False: (
+        "the user stated that no person in its data is in the data of the fits above it (DPStrategy.people_overlap=false; "
+        "dplit does not check it)"
+    ),
+    None: (
+        "whether its data shares people with the data of the fits above it was not stated (DPStrategy.people_overlap): "
+        "ε above composes every row as if they do (a person in both datasets, one unit of each together)"
+    ),
+}
+"""What the card says of a later fit (a refit from an export, e.g. DPO after SFT) by the user's statement."""
+
+
+def _people_notes(g: dict[str, Any]) -> list[str]:
+    """How the fits of the history compose for one person: the user's statement of each later fit's people."""
+    notes = [f"Row {number} starts a later fit from these weights: {PEOPLE_STATED[stated]}." for number, stated in
+             g.get("people_overlap") or []]  # fmt: skip
+    per_dataset = g.get("epsilon_per_dataset")
+    if per_dataset:
+        each = "; ".join(f"row(s) {', '.join(map(str, rows))}: ε = {_shown(epsilon)}" for rows, epsilon in per_dataset)
+        notes.append(
+            f"With no person in two of these datasets, a person is protected at the ε of the rows that trained on "
+            f"their dataset alone (the others' weights are, for them, a public starting point): {each}. ε above, "
+            "composing every row, holds whatever the statement."
         )
     return notes
 

@@ -10,7 +10,15 @@ from typing import Any
 from dplit.data.sources import HUB_DATASET
 from dplit.privacy.accounting import PrivacyAccountant
 from dplit.privacy.accounting.relations import epsilon_under
-from dplit.privacy.composition import dp_segments, mixed_epsilon, mixed_units, protected_unit, smallest_delta
+from dplit.privacy.composition import (
+    disjoint_datasets,
+    dp_segments,
+    later_runs,
+    mixed_epsilon,
+    mixed_units,
+    protected_unit,
+    smallest_delta,
+)
 from dplit.privacy.history import GUARANTEE_FILE as GUARANTEE_FILE  # re-exported: where release code finds it
 from dplit.privacy.history import HISTORY_KEY, PrivacyHistory, history_in_checkpoint
 from dplit.privacy.ledger import CHECKPOINT_KEY
@@ -32,6 +40,10 @@ MIXED_RELATION = (
 MIXED_ACCOUNTANT = "dp-accounting PLD, each segment under its own relation (opacus' PRV composes one relation only)"
 NEVER_PRIVATE = "trained without dplit.strategy.DPStrategy (no clipping, no noise, no privacy ledger)"
 PRIVACY_UNIT = "one training example (one row of the training data)"
+EXAMPLE_OR_PAIR_UNIT = (
+    "one training example (one row of the training data; in a segment over preference pairs, one pair: a prompt with "
+    "its chosen and rejected answers, their two rows clipped together as one unit)"
+)
 PAIR_UNIT = (
     "one preference pair (a prompt with its chosen and rejected answers: their two rows are clipped together as one "
     "unit)"
@@ -53,6 +65,12 @@ NOT_COVERED = (
     "the pretraining data of the base model and any data outside the training set",
     GROUP_PRIVACY,
 )
+PREFERENCE_DIAGNOSTICS = (
+    "under dplit dpo, the training pairs' values are such diagnostics too: train/loss (the pairs' DPO loss) and any "
+    "reward accuracy, implicit reward margin or chosen/rejected log-probability computed on training pairs are "
+    "computed from the private pairs without noise and are not covered by ε (the val/* ones are the item below)"
+)
+"""The not-covered item of a history with preference-pair segments (beside the diagnostics item)."""
 PRIVATE_DIAGNOSTICS = ("largest_user_rows",)
 """Values a guarantee can state that are computed from the private data without noise (published only on request)."""
 
@@ -79,13 +97,14 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
     dp = dp_segments(segments)
     unit = protected_unit(dp)
     public = [segment for segment in segments if segment.get("kind") == "public_change"]
-    facts = {**_training_facts(checkpoint), **_origin_facts(state.get("origin")), "not_covered": _not_covered(unit)}
+    facts = {**_training_facts(checkpoint), **_origin_facts(state.get("origin")), "not_covered": _not_covered(unit, dp)}
     record = {"privacy_history": state, "non_private_steps": counted.non_private_steps, "public_changes": len(public)}
     if not dp:
         reason = counted.reason_not_private() or NEVER_PRIVATE
         return {"differentially_private": False, "reason": reason, "protected_unit": unit, **record, **facts}
     ledger = checkpoint.get(CHECKPOINT_KEY)
     last = ledger or dp[-1]
+    user_items = {"user_rows": "pairs"} if _users_of_pairs(dp) else {}
     delta, mechanism = _delta_and_mechanism(dp, ledger)
     epsilon, accountant = _epsilon(dp, counted, delta=delta, mechanism=mechanism)
     replace_one = epsilon_under("replace_one", counted.accountant_history(), delta=delta)
@@ -110,8 +129,14 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "accountant_history": [list(entry) for entry in counted.accountant_history()],
         "dataset_sizes": _dataset_sizes(dp, last),
         "units_per_dataset": _units_per_dataset(dp, last),
-        "privacy_unit": privacy_unit_text(unit, {**shared, **diagnostics}, asked=publish_private_diagnostics),
+        "privacy_unit": privacy_unit_text(
+            unit,
+            {**shared, **diagnostics, **user_items},
+            asked=publish_private_diagnostics,
+            dp=dp,
+        ),
         **({key: shared[key] for key in USER_FACTS} if unit == "user" else {}),
+        **user_items,
         **diagnostics,
         **({"private_diagnostics_published": list(diagnostics)} if diagnostics else {}),
         "clipping": last.get("clipping"),
@@ -120,6 +145,7 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "noise": _noise_sources(dp),
         "run_id": last.get("run_id"),
         "per_segment": varying,
+        **_people_facts(segments, delta=delta, mechanism=mechanism),
         **record,
         **facts,
     }
@@ -216,15 +242,54 @@ def _epsilon(dp: list[dict[str, Any]], counted: PrivacyHistory, *, delta: float,
     return accountant.epsilon(), mechanism
 
 
+def _people_facts(segments: list[dict[str, Any]], *, delta: float, mechanism: str) -> dict[str, Any]:
+    """What the user stated of each later fit's people, and each dataset's own ε when every fit stated none shared.
+
+    ``people_overlap``: ``[[segment number, statement]]`` (``true``, ``false`` or ``null``: not stated) for every DP
+    segment that starts a fit after the first (a refit from an export: DPO after SFT). ``epsilon_per_dataset``:
+    ``[[segment numbers, ε]]``, only when every such fit stated ``people_overlap: false``.
+    """
+    starts = later_runs(segments)
+    if not starts:
+        return {}
+    facts: dict[str, Any] = {"people_overlap": [[index + 1, segments[index].get("people_overlap")] for index in starts]}
+    groups = disjoint_datasets(segments)
+    if groups is not None:
+        facts["epsilon_per_dataset"] = [
+            [[index + 1 for index in group], _group_epsilon([segments[i] for i in group], delta, mechanism)]
+            for group in groups
+        ]
+    return facts
+
+
+def _group_epsilon(group: list[dict[str, Any]], delta: float, mechanism: str) -> float | None:
+    """ε at δ of some DP segments alone (``None``: infinite, σ = 0)."""
+    epsilon, _ = _epsilon(group, PrivacyHistory(group), delta=delta, mechanism=mechanism)
+    return epsilon if math.isfinite(epsilon) else None
+
+
+def _users_of_pairs(dp: list[dict[str, Any]]) -> bool:
+    """Whether every DP segment protected users whose items are preference pairs (``dplit dpo`` over users)."""
+    return bool(dp) and all(s.get("privacy_unit") == "user" and s.get("user_rows") == "pairs" for s in dp)
+
+
 def _relation_text(dp: list[dict[str, Any]]) -> str:
     if mixed_units(dp):
         return MIXED_RELATION
-    return USER_RELATION if protected_unit(dp) == "user" else NEIGHBOURING_RELATION
+    if protected_unit(dp) != "user":
+        return NEIGHBOURING_RELATION
+    return USER_RELATION.replace("user's rows", "user's preference pairs") if _users_of_pairs(dp) else USER_RELATION
 
 
-def _not_covered(unit: str) -> list[str]:
-    """What ε does not cover; a per-user guarantee covers a person's rows as one unit (no group-privacy item)."""
-    return [item for item in NOT_COVERED if not (unit == "user" and item == GROUP_PRIVACY)]
+def _not_covered(unit: str, dp: list[dict[str, Any]]) -> list[str]:
+    """What ε does not cover; a per-user guarantee covers a person's rows as one unit (no group-privacy item).
+
+    With a DPO segment (over pairs, or over users' pairs), the training pairs' DPO values follow the diagnostics item.
+    """
+    items = [item for item in NOT_COVERED if not (unit == "user" and item == GROUP_PRIVACY)]
+    if any(segment.get("privacy_unit") == "pair" or segment.get("user_rows") == "pairs" for segment in dp):
+        items.insert(2, PREFERENCE_DIAGNOSTICS)
+    return items
 
 
 def _dataset_sizes(dp: list[dict[str, Any]], last: dict[str, Any]) -> list[int]:
@@ -264,24 +329,31 @@ def _origin_facts(origin: dict[str, Any] | None) -> dict[str, Any]:
     return {"starting_point": origin.get("description"), "starting_point_digest": origin.get("digest")}
 
 
-def privacy_unit_text(unit: str, facts: dict[str, Any], *, asked: bool = False) -> str:
-    """What one unit of protection is: a training row, or a user with all of its rows.
+def privacy_unit_text(
+    unit: str, facts: dict[str, Any], *, asked: bool = False, dp: list[dict[str, Any]] | None = None
+) -> str:
+    """What one unit of protection is: a training row, a preference pair, or a user with all of its rows.
 
     Args:
         unit: ``"user"``, ``"pair"`` or ``"example"`` (:func:`~dplit.privacy.composition.protected_unit`).
         facts: the users' k (``max_rows_per_user``, ``None`` when it differs between segments) and the largest
             user's row count when it is published.
         asked: whether the export asked for private diagnostics (``--publish_private_diagnostics``).
+        dp: the DP segments, when known: a per-example claim over some segments of preference pairs says what an
+            example is there.
     """
     if unit == "pair":
         return PAIR_UNIT
     if unit != "user":
-        return PRIVACY_UNIT
+        pairs = any(segment.get("privacy_unit") == "pair" for segment in dp or [])
+        return EXAMPLE_OR_PAIR_UNIT if pairs else PRIVACY_UNIT
     k = facts.get("max_rows_per_user")
+    rows = "preference pairs" if facts.get("user_rows") == "pairs" else "rows"
     most = f"at most {k} of them are used" if k is not None else "at most k of them (k per segment, see the history)"
+    largest = _largest_user_text(facts.get("largest_user_rows"), asked=asked).replace(" rows", f" {rows}")
     return (
-        f"one user (all of that user's training rows; {most} in any step, drawn at random, so a user's rows beyond "
-        f"that are not seen in that step; {_largest_user_text(facts.get('largest_user_rows'), asked=asked)})"
+        f"one user (all of that user's training {rows}; {most} in any step, drawn at random, so a user's {rows} "
+        f"beyond that are not seen in that step; {largest})"
     )
 
 

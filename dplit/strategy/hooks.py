@@ -78,6 +78,7 @@ class DPSGDHooks:
         allow_large_delta: bool = False,
         private_diagnostics: bool = True,
         public_change: str | None = None,
+        people_overlap: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)  # the Lightning strategy's own arguments
@@ -88,7 +89,7 @@ class DPSGDHooks:
             target_delta=target_delta, accountant=accountant, clipping=clipping, tied_norm=tied_norm,
             max_physical_batch_size=max_physical_batch_size, self_check=self_check, seed=seed,
             allow_large_delta=allow_large_delta, private_diagnostics=private_diagnostics, public_change=public_change,
-            flag_owner=self.flag_owner,
+            people_overlap=people_overlap, flag_owner=self.flag_owner,
         )  # fmt: skip
         self.noise_source = NoiseSource(seed=seed)
         self._dpsgd: DPSGD | None = None

@@ -12,10 +12,13 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from dplit.backbone.sharding import shard_frozen_copy
+from dplit.privacy.world import ProcessGroup
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 from dplit.tasks.preference_loss import PairLogProbs, check_preference_settings, preference_losses
 from dplit.tasks.reference import ReferencePolicy
@@ -59,15 +62,11 @@ class PreferenceModel(CausalLMModule):
         self._totals: dict[str, float] = dict.fromkeys(METRICS, 0.0)
         self._pairs = 0
         self._loaded_reference: str | None = None
+        self._sharded_reference: str | None = None
 
     @override
     def setup(self, stage: str) -> None:
-        """Refuse the per-example engine (it traces one row at a time; a pair's loss needs both) and sharding."""
-        if isinstance(self.trainer.strategy, ModelParallelStrategy):
-            raise ValueError(
-                f"dplit dpo does not run under {type(self.trainer.strategy).__name__} yet (its reference is not "
-                "sharded): use dplit.strategy.DPStrategy"
-            )
+        """Refuse the per-example engine: it traces one row at a time, and a pair's loss needs both."""
         settings = getattr(self.trainer.strategy, "settings", None)
         if getattr(settings, "clipping", None) == "per_example":
             owner = type(self.trainer.strategy).__name__
@@ -77,10 +76,25 @@ class PreferenceModel(CausalLMModule):
             )
 
     @override
+    def configure_model(self) -> None:
+        """Under a sharded strategy, shard the frozen reference copy as the task (each rank holds a shard of both)."""
+        copy = self.reference.copy
+        if self.device_mesh is not None and copy is not None and not isinstance(copy, FSDPModule):
+            copy.to(next(self.backbone.parameters()).device)
+            shard_frozen_copy(copy, self.device_mesh["data_parallel"])
+        super().configure_model()
+
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Also record the reference's digest: a resumed or validated run must compare against the same reference."""
+        """Also record the reference's digest: a resumed or validated run must compare against the same reference.
+
+        Sharded weights' digest needs every rank; a checkpoint is saved without a collective, so a sharded run records
+        the digest its start computed (the reference never changes).
+        """
         super().on_save_checkpoint(checkpoint)
-        checkpoint[REFERENCE_KEY] = self.reference.digest(self.backbone)
+        digest = self._sharded_reference if self._is_sharded() else self.reference.digest(self.backbone)
+        if digest is not None:
+            checkpoint[REFERENCE_KEY] = digest
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -104,12 +118,30 @@ class PreferenceModel(CausalLMModule):
         """As :meth:`on_train_start`, for ``dplit dpo test --ckpt_path``."""
         self._check_reference()
 
+    def _is_sharded(self) -> bool:
+        """Whether the backbone's or the reference copy's weights are FSDP2 shards (``DTensor`` s)."""
+        copy = self.reference.copy
+        params = [*self.backbone.parameters(), *(copy.parameters() if copy is not None else [])]
+        return any(isinstance(param, DTensor) for param in params)
+
+    def _reference_digest(self) -> str:
+        """The reference's digest now (every rank calls it under sharding: the shards' digests are gathered)."""
+        if not self._is_sharded():
+            return self.reference.digest(self.backbone)
+        self._sharded_reference = self.reference.digest(self.backbone, gather=ProcessGroup(device=self.device).gather)
+        return self._sharded_reference
+
     def _check_reference(self) -> None:
-        if self._loaded_reference is not None and self._loaded_reference != self.reference.digest(self.backbone):
+        """Compare a loaded checkpoint's reference digest with this run's (sharded: also keep it for the saves)."""
+        if self._loaded_reference is None and (self._sharded_reference is not None or not self._is_sharded()):
+            return  # nothing to compare, and nothing to keep
+        digest = self._reference_digest()
+        if self._loaded_reference is not None and self._loaded_reference != digest:
             raise ValueError(
                 "--ckpt_path: this run's DPO reference (the starting weights: model.pretrained, or model.config with "
                 "seed_everything) is not the one the checkpoint was trained against; use the same starting weights"
             )
+        self._loaded_reference = None  # checked: the reference never changes after
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -121,13 +153,18 @@ class PreferenceModel(CausalLMModule):
         """The four sequence log-probabilities of each pair of ``batch`` (and its answers' token counts)."""
         _check_layout(batch)
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        with self.reference.active(self.backbone) as reference:  # no gradient; first, before the policy's pass
-            positions = positions_of(mask)
-            reference_logits = reference(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-            reference_logps, _ = sequence_log_probs(reference_logits, batch)
+        reference_logps, _ = sequence_log_probs(self.reference_logits(ids, mask), batch)  # first, no gradient
         policy_logps, tokens = sequence_log_probs(self(ids, mask), batch)
         policy, ref, counts = policy_logps.view(-1, 2), reference_logps.view(-1, 2), tokens.view(-1, 2)
         return PairLogProbs(policy[:, 0], policy[:, 1], ref[:, 0], ref[:, 1], counts[:, 0], counts[:, 1])
+
+    def reference_logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] of the reference, without gradient."""
+        with self.reference.active(self.backbone) as reference:  # under torch.no_grad
+            if reference is self.backbone:  # adapters off: through the task, whose sharded root gathers its weights
+                return self(input_ids, attention_mask)
+            positions = positions_of(attention_mask)
+            return reference(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
 
     def pair_losses(self, pairs: PairLogProbs) -> Tensor:
         """Each pair's loss [P] under the model's β, label smoothing and loss type."""
@@ -137,8 +174,21 @@ class PreferenceModel(CausalLMModule):
     @override
     def per_example_loss(self, batch: Batch) -> Tensor:
         """One value per row [B]: the pair's loss on its chosen row, 0 on its rejected row (a unit sums to its loss)."""
+        if batch["input_ids"].shape[0] == 1 and not batch["attention_mask"].any():
+            return self._placeholder_loss(batch)
         losses = self.pair_losses(self.pair_log_probs(batch))  # [P]
         return torch.stack([losses, torch.zeros_like(losses)], dim=1).reshape(-1)  # [2P] = [B]
+
+    def _placeholder_loss(self, batch: Batch) -> Tensor:
+        """A sharded rank's placeholder: one empty row whose loss DP-SGD multiplies by 0 ([1]).
+
+        Every rank must run the same passes through the sharded weights: the reference's and the policy's, as for a
+        pair, on the placeholder's one row (the engines expect one value per row it has).
+        """
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        self.reference_logits(ids, mask)
+        logps, _ = sequence_log_probs(self(ids, mask), batch)
+        return logps
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:

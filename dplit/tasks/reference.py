@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dplit.privacy.weights_content import content_digest
+from dplit.privacy.weights_content import Gather, content_digest
 
 
 def adapter_layers(backbone: nn.Module) -> list[nn.Module]:
@@ -112,9 +112,22 @@ class ReferencePolicy:
         if (copy_param.device, copy_param.dtype) != (model_param.device, model_param.dtype):
             self._copy.to(device=model_param.device, dtype=model_param.dtype)  # type: ignore[union-attr]
 
-    def digest(self, backbone: PreTrainedModel) -> str:
-        """The content digest of the reference's weights (with adapters: the backbone's non-adapter weights)."""
+    def digest(self, backbone: PreTrainedModel, *, gather: Gather | None = None) -> str:
+        """The content digest of the reference's weights (with adapters: the backbone's non-adapter weights).
+
+        Args:
+            backbone: the trained causal LM.
+            gather: the ranks' collective, when the weights are sharded (``DTensor`` s; every rank must call).
+        """
         if self._copy is not None:
-            return content_digest(dict(self._copy.state_dict()))
+            return content_digest(dict(self._copy.state_dict()), gather=gather)
+        return self.digest_of_state(backbone, dict(backbone.state_dict()), gather=gather)
+
+    def digest_of_state(
+        self, backbone: PreTrainedModel, state: dict[str, object], *, gather: Gather | None = None
+    ) -> str:
+        """:meth:`digest` from a full state dict of ``backbone`` (e.g. a sharded run's gathered checkpoint)."""
+        if self._copy is not None:
+            return self.digest(backbone, gather=gather)
         adapters = adapter_parameter_names(backbone)
-        return content_digest({name: value for name, value in backbone.state_dict().items() if name not in adapters})
+        return content_digest({name: value for name, value in state.items() if name not in adapters}, gather=gather)

@@ -17,7 +17,7 @@ from dplit.data.preference import PreferenceCollator, PreferencePair
 from dplit.privacy.clipping.engine import trainable_parameters
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.privacy.clipping.self_check import check_ghost_norms
-from dplit.privacy.clipping.units import UNIT_KEY, without_units
+from dplit.privacy.clipping.units import UNIT_KEY, placeholder_example, without_units
 from dplit.tasks.preference import PreferenceModel
 from dplit.tasks.reference import adapter_parameter_names
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_unit_gradients
@@ -191,12 +191,18 @@ def test_pairs_are_exact_under_activation_checkpointing(family: str, policy: str
         assert_close(grad, expected[name], rtol=1e-9)
 
 
-def test_sharded_strategies_are_refused() -> None:
-    from types import SimpleNamespace
-
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    model = tiny_preference_model("gpt2", "tied")
-    model._trainer = SimpleNamespace(strategy=ModelParallelStrategy())  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="dplit dpo does not run under ModelParallelStrategy yet"):
-        model.setup("fit")
+@pytest.mark.parametrize("policy", ["tied", "lora"])
+def test_a_sharded_ranks_placeholder_runs_both_passes_and_adds_exactly_zero(policy: str) -> None:
+    """A rank with fewer micro-batches runs one empty row (dplit's placeholder) through both passes, as DPSGD does."""
+    model = tiny_preference_model("gpt2", policy)
+    placeholder = placeholder_example(without_units(pair_batch()))
+    calls: list[tuple[bool, int]] = []
+    model.register_forward_hook(lambda _, args, __: calls.append((torch.is_grad_enabled(), args[0].shape[0])))
+    stats, grads = run(GhostEngine(model, max_grad_norm=1.0), model, lambda rows: model.per_example_loss(rows) * 0.0,
+                       placeholder)  # fmt: skip
+    assert stats.losses.shape == (1,) and torch.isfinite(stats.losses).all() and torch.isfinite(stats.norms).all()
+    assert all(not grad.any() for grad in grads.values())
+    if policy == "lora":  # the reference (adapters off, no gradient) and the policy, both through the task, one row
+        assert [call for call in calls if not call[0]] and all(rows == 1 for _, rows in calls)
+    else:  # the frozen copy is a separate module; the policy runs through the task
+        assert calls and all(grad and rows == 1 for grad, rows in calls)
