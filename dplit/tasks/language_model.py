@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import Tensor
 from typing_extensions import override
 
+from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolating_mask
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 DEFAULT_SAMPLE_PROMPTS = ("the movie", "this film is")
@@ -66,26 +67,48 @@ class CausalLanguageModel(CausalLMModule):
         positions = positions_of(attention_mask)  # [B, T]
         return self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
 
+    def packed_logits(self, input_ids: Tensor, segment_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] of packed rows: each document attends to itself only, positions restarting."""
+        dtype = next(self.backbone.parameters()).dtype
+        mask = isolating_mask(segment_ids, dtype)  # [B, 1, T, T] block-diagonal causal
+        return self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+
     def token_losses(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1]."""
+        """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1].
+
+        A packed batch (``segment_ids``) trains no prediction across a document boundary.
+        """
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self(ids, mask)  # [B, T, V]
-        predicted = logits[:, :-1].float()  # [B, T-1, V]: position t predicts token t + 1
+        segments = batch.get(SEGMENT_KEY)
+        logits = self(ids, mask) if segments is None else self.packed_logits(ids, segments, batch[POSITION_KEY])
+        predicted = logits[:, :-1]  # [B, T-1, V]: position t predicts token t + 1
+        predicted = predicted if predicted.dtype == torch.float64 else predicted.float()  # 16-bit: in float32
         losses = F.cross_entropy(predicted.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-        trained = (batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]).to(losses.dtype)  # [B, T-1]
+        trained = batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]  # [B, T-1]
+        if segments is not None:
+            trained = trained * (segments[:, 1:] == segments[:, :-1])  # within one document
+        trained = trained.to(losses.dtype)
         return losses * trained, trained
 
     @override
     def per_example_loss(self, batch: Batch) -> Tensor:
-        """Each example's summed (or mean) token loss [B]; example i's loss depends on example i only."""
+        """Each example's summed (or mean) token loss [B]; example i's loss depends on example i only.
+
+        A packed batch gives per-token losses [B, T] instead (each document's own sum or mean, spread over its
+        tokens): the ghost engine sums them per document (or user).
+        """
         losses, trained = self.token_losses(batch)
+        if SEGMENT_KEY in batch:
+            return _packed_token_losses(losses, trained, batch[SEGMENT_KEY], mean=self.hparams.loss_reduction == "mean")
         total = losses.sum(1)  # [B]
         return total if self.hparams.loss_reduction == "sum" else total / trained.sum(1).clamp(min=1)
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Non-private step (DPStrategy replaces it with clipped, noisy micro-batches)."""
-        loss = self.per_example_loss(batch).mean()
+        losses = self.per_example_loss(batch)
+        documents = int(batch[SEGMENT_KEY].max()) + 1 if SEGMENT_KEY in batch else losses.shape[0]
+        loss = losses.sum() / max(documents, 1)
         self.log("train/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -137,6 +160,19 @@ class CausalLanguageModel(CausalLMModule):
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 text = "\n\n".join(f"**{p}** → {s}" for p, s in zip(self._sample_prompts, samples, strict=True))
                 logger.experiment.add_text("samples/greedy", text, global_step=self.global_step)
+
+
+def _packed_token_losses(losses: Tensor, trained: Tensor, segments: Tensor, *, mean: bool) -> Tensor:
+    """Per-token losses [B, T] of packed rows: summed per document they give its sum (or, ``mean``, its mean).
+
+    ``losses`` and ``trained`` are per prediction [B, T-1] (position t predicts t + 1, in t's document).
+    """
+    if mean:  # each document's trained predictions, over all its rows
+        documents = segments[:, :-1].clamp(min=0)  # [B, T-1]: padding (-1) predicts nothing
+        counts = trained.new_zeros(int(segments.max()) + 1 if segments.numel() else 1)
+        counts.index_add_(0, documents.reshape(-1), trained.reshape(-1))
+        losses = losses / counts[documents].clamp(min=1)
+    return F.pad(losses, (0, 1))  # [B, T]: the last position predicts nothing
 
 
 def _check_samples(sample_prompts: list[str] | None, sample_tokens: int) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, Factor, FactoredGradient, GradientUse
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
 
 UNIT_KEY = "privacy_unit"
 """The batch key of the rows' privacy units: a [B] integer tensor, rows of one unit sharing a value."""
@@ -85,8 +86,8 @@ def _grouped_factor(factor: Factor, units: Units) -> Factor:
 
 
 def without_units(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The batch the model sees: every field but :data:`UNIT_KEY`."""
-    return {key: value for key, value in batch.items() if key != UNIT_KEY}
+    """The batch the model sees: every field but :data:`UNIT_KEY` and :data:`TOKEN_UNIT_KEY`."""
+    return {key: value for key, value in batch.items() if key not in (UNIT_KEY, TOKEN_UNIT_KEY)}
 
 
 def unit_sums(values: Tensor, units: Units) -> Tensor:
