@@ -16,8 +16,11 @@ from dplit.backbone.isolation import SEGMENT_KEY
 from dplit.data.packing import pack_documents
 from dplit.data.text import TextCollator, TextExample
 from dplit.privacy.clipping import build_engine
+from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
 from dplit.privacy.clipping.units import UNIT_KEY
+from dplit.privacy.refusal import SettingError
 from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_unit_gradients
 from tests.helpers.families import VOCAB, tiny_task
@@ -155,3 +158,21 @@ def per_document_autograd(model: CausalLanguageModel, packed: dict[str, Tensor])
             {n: g if g is not None else torch.zeros_like(params[n]) for n, g in zip(params, grad, strict=True)}
         )
     return grads
+
+
+def test_the_first_batch_self_check_passes_isolated_rows_and_refuses_leaking_ones() -> None:
+    """The run's self-check (autograd per document on the packed rows) is the isolation check at run time."""
+    model = packed_task("gpt2", "tied")
+    packed = pack_documents(documents(MIXES["dozens_per_row"]), max_length=ROW, pad_token_id=0).batch
+    engine = GhostEngine(model, max_grad_norm=0.05)
+    check_ghost_norms(engine, model, model.per_example_loss, packed, examples=2)
+    leaking = {**packed, SEGMENT_KEY: packed[SEGMENT_KEY].clamp(max=0)}
+    with pytest.raises(ValueError, match="trainable parameter"):
+        check_ghost_norms(engine, model, model.per_example_loss, leaking, examples=2)
+
+
+def test_the_per_example_engine_refuses_packed_rows() -> None:
+    model = packed_task("gpt2", "tied")
+    packed = pack_documents(documents([3, 4]), max_length=ROW, pad_token_id=0).batch
+    with pytest.raises(SettingError, match="data.packing=true needs"):
+        build_engine("per_example", model, max_grad_norm=1.0).accumulate(model.per_example_loss, packed)
