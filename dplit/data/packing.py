@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -92,7 +93,7 @@ class PackedRows:
 
 
 def pack_documents(
-    documents: Sequence[Mapping[str, Sequence[int]]],
+    documents: Sequence[Mapping[str, Any]],
     *,
     max_length: int,
     pad_token_id: int,
@@ -156,3 +157,46 @@ def _groups(count: int, users: Sequence[int] | None) -> list[list[int]]:
     for index, user in enumerate(users):
         by_user.setdefault(user, []).append(index)
     return list(by_user.values())
+
+
+class PackingCollator:
+    """The training collate function of ``data.packing=true``: a sampled logical batch, packed into rows.
+
+    It also keeps how full the rows it packed were (a diagnostic of the private data, computed without noise: said
+    in the run's output only, never written to the ledger or the card).
+
+    Args:
+        max_length: the row length (``data.max_length``).
+        pad_token_id: token id of padded positions.
+    """
+
+    def __init__(self, *, max_length: int, pad_token_id: int) -> None:
+        self.max_length = max_length
+        self.pad_token_id = pad_token_id
+        self.rows = 0
+        self.tokens = 0
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+        """Pack ``examples`` (each with ``input_ids`` and ``loss_mask``, and ``user`` under user-level DP)."""
+        users = [example["user"] for example in examples] if examples and "user" in examples[0] else None
+        packed = pack_documents(examples, max_length=self.max_length, pad_token_id=self.pad_token_id, users=users)
+        self.rows += packed.capacity // self.max_length
+        self.tokens += packed.tokens
+        return packed.batch
+
+    def ledger_facts(self) -> dict[str, str]:
+        """What the ledger and the card say of packing (public: the row length and the isolation, no data)."""
+        return {
+            "packing": f"documents packed into rows of {self.max_length} tokens, each isolated (block-diagonal causal "
+            "attention, positions restarting) and clipped as its own unit (or with its user's other documents)"
+        }
+
+    def summary(self) -> str:
+        """How full the packed rows were, in one line (or that this process packed none)."""
+        if not self.rows:
+            return "packing: no rows were packed in this process (with data.num_workers > 0 the workers pack them)"
+        fill = self.tokens / (self.rows * self.max_length)
+        return (
+            f"packing: {self.rows} rows of {self.max_length} tokens were {fill:.1%} full (a diagnostic of the private "
+            "data, without noise)"
+        )

@@ -24,6 +24,7 @@ from dplit.data.batches import PadCollator, pad_token_rows, user_field
 from dplit.data.checks import check_count
 from dplit.data.corpus import build_corpus_tokenizer, make_corpus_split
 from dplit.data.files import TextRows, check_data_file, read_rows, refusal
+from dplit.data.packing import PackingCollator
 from dplit.data.sources import load_hub_dataset
 from dplit.data.tokenizer import load_tokenizer
 from dplit.data.users import (
@@ -115,7 +116,8 @@ class TextDataModule(LightningDataModule):
         max_length: longest example in tokens (end-of-text token included).
         overlength: an example longer than ``max_length`` is cut at its end (``"truncate"``) or refused with its
             file and row (``"refuse"``).
-        packing: must stay ``False``: packing several rows into one sequence breaks the per-example privacy unit.
+        packing: pack each sampled training batch into rows of ``max_length`` tokens (:mod:`dplit.data.packing`):
+            documents isolated from one another, each still its own privacy unit (ghost clipping per document).
         padding_side: pad batches on the right or the left.
         num_workers: DataLoader worker processes.
         max_train_examples: use only the first N training rows.
@@ -161,11 +163,6 @@ class TextDataModule(LightningDataModule):
         check_user_settings(privacy_unit, user_column, max_rows_per_user)
         if privacy_unit == "user" and user_column is None and (train_file is not None or dataset != BUILTIN):
             raise ValueError("data.privacy_unit=user needs data.user_column: the column naming each row's user")
-        if packing:
-            raise ValueError(
-                "data.packing=true is refused under DP: packing puts several rows in one sequence, so one "
-                "row's tokens shape another's gradient and the per-example privacy unit breaks"
-            )
         if (prompt_column is None) != (response_column is None):
             raise ValueError("set both data.prompt_column and data.response_column (instruction data), or neither")
         if (train_file is None) != (val_file is None):
@@ -189,6 +186,11 @@ class TextDataModule(LightningDataModule):
             raise ValueError(f"data.tokenizer={tokenizer!r} has no end-of-text token to end each example with")
         self.vocab_size: int = len(self.tokenizer)
         self.collate_fn = TextCollator(self.tokenizer.pad_token_id, padding_side)
+        self.train_collate_fn: TextCollator | PackingCollator = (
+            PackingCollator(max_length=max_length, pad_token_id=self.tokenizer.pad_token_id)
+            if packing
+            else self.collate_fn
+        )
         self._datasets: dict[Split, TextDataset] = {}
 
     @staticmethod
@@ -231,7 +233,8 @@ class TextDataModule(LightningDataModule):
 
     def _loader(self, split: Split, batch_size: int, shuffle: bool) -> DataLoader:
         return DataLoader(
-            self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
+            self.dataset(split), batch_size=batch_size, shuffle=shuffle,
+            collate_fn=self.train_collate_fn if split == "train" else self.collate_fn,
             num_workers=self.num_workers,
         )  # fmt: skip
 

@@ -43,9 +43,11 @@ from dplit.privacy.fingerprint import IndexedRows
 from dplit.privacy.gradient_buffer import GradientBuffer
 from dplit.privacy.history import PrivacyHistory
 from dplit.privacy.noise import NoiseSource
+from dplit.privacy.refusal import SettingError
 from dplit.privacy.run_facts import (
     ledger_facts,
     mechanism_changes,
+    packing_facts,
     row_unit_of,
     segment_facts,
     start_line,
@@ -110,6 +112,7 @@ class DPSGD:
         self._rows: IndexedRows | None = None
         self._users: UserLevel | None = None
         self._unit = "example"  # without users: "example" or "pair" (each item of the dataset one unit)
+        self._packing: dict[str, Any] = {}  # the packing collate function's facts (data.packing=true)
         self._restored: dict[str, Any] = {}  # the resumed checkpoint's ledger facts
         self._counting_open = False  # True while the before-noise hooks run: count_units may add to the count
         self._buffer: GradientBuffer | None = None
@@ -128,6 +131,12 @@ class DPSGD:
         """
         self._users = user_level_of(loader.dataset)
         self._unit = row_unit_of(loader.dataset)
+        self._packing = packing_facts(loader)
+        if self._packing and self.settings.clipping != "ghost":
+            raise SettingError(
+                f"data.packing=true needs {self.settings.flag_owner}.clipping=ghost: the {self.settings.clipping} "
+                "engine clips whole rows, and a packed row holds several documents"
+            )
         units = self._users.users if self._users is not None else len(loader.dataset)  # type: ignore[arg-type]
         self.dataset_size, self.sample_rate = size_and_rate(loader, units, users=self._users is not None)
         self._rows = loader.dataset  # type: ignore[assignment]
@@ -311,11 +320,11 @@ class DPSGD:
 
     def facts(self) -> dict[str, Any]:
         """What the ledger records beside the accountant's history (never a seed)."""
-        return ledger_facts(
+        return {**ledger_facts(
             self.settings, history=self.history, noise=self.noise_source, bound=self.bound, users=self._users,
             sigma=self.noise_multiplier, sample_rate=self.sample_rate, dataset_size=self.dataset_size,
             epsilon_steps=self.budget.epsilon_steps, unit=self._unit,
-        )  # fmt: skip
+        ), **self._packing}  # fmt: skip
 
     # --- inside ----------------------------------------------------------------------------------------------------
 

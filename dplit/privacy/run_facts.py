@@ -28,6 +28,16 @@ def row_unit_of(dataset: object) -> str:
     return PAIR_UNIT if getattr(dataset, "privacy_unit", None) == PAIR_UNIT else "example"
 
 
+def packing_facts(loader: object) -> dict[str, Any]:
+    """What a loader whose collate function packs documents into rows says of it (``{}``: no packing).
+
+    A packing collate function (:class:`~dplit.data.packing.PackingCollator`) states its public facts (the row
+    length, that documents are isolated); nothing about the data.
+    """
+    facts = getattr(getattr(loader, "collate_fn", None), "ledger_facts", None)
+    return dict(facts()) if callable(facts) else {}
+
+
 def unit_facts(users: UserLevel | None, *, diagnostics: bool, unit: str = "example") -> dict[str, Any]:
     """The unit's facts: ``unit`` (``example``, ``pair``), or the user-level counts (``diagnostics``: largest user's rows)."""
     return {"privacy_unit": unit} if users is None else users.facts(private_diagnostics=diagnostics)

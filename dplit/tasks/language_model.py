@@ -8,10 +8,11 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolating_mask
+from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolating_mask, isolation_refusal
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 DEFAULT_SAMPLE_PROMPTS = ("the movie", "this film is")
@@ -60,6 +61,17 @@ class CausalLanguageModel(CausalLMModule):
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self.trainer.datamodule else None
         if tokenizer is not None:
             _check_prompt_lengths(self._sample_prompts, tokenizer, self.hparams.sample_tokens, self.max_positions)
+        packing = getattr(self.trainer.datamodule, "hparams", {}).get("packing") if self.trainer.datamodule else False
+        refusal = isolation_refusal(self.backbone) if packing else None
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    @override
+    def on_train_end(self) -> None:
+        """Say how full a packed run's rows were (``data.packing=true``)."""
+        summary = getattr(getattr(self.trainer.train_dataloader, "collate_fn", None), "summary", None)
+        if callable(summary):
+            rank_zero_info(summary())
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

@@ -163,8 +163,6 @@ def test_bad_rows_name_the_file_and_row(
 def test_truncation_packing_and_flag_pairs(tmp_path: Path, tiny_bpe_dir: Path) -> None:
     data = datamodule(tmp_path, tiny_bpe_dir, [{"text": "great " * 40}], max_length=16)
     assert len(data.dataset("train")[0]["input_ids"]) == 16
-    with pytest.raises(ValueError, match="data.packing=true is refused under DP"):
-        TextDataModule(packing=True)
     with pytest.raises(ValueError, match="data.prompt_column and data.response_column"):
         TextDataModule(prompt_column="prompt")
 
