@@ -59,20 +59,30 @@ def token_units_of(batch: Mapping[str, Tensor]) -> TokenUnits | None:
         )
     rows, positions = (labels >= 0).nonzero(as_tuple=True)  # row-major order
     kept = labels[rows, positions]  # [N]
-    _, index, counts = torch.unique(kept, return_inverse=True, return_counts=True)  # sorted labels
-    order = torch.arange(kept.numel(), device=labels.device)
-    first = torch.full_like(counts, kept.numel()).scatter_reduce_(0, index, order, "amin")  # [U]
-    by_appearance = torch.argsort(first)
-    renumbered = torch.empty_like(by_appearance)
-    renumbered[by_appearance] = torch.arange(by_appearance.numel(), device=labels.device)
-    unit, counts = renumbered[index], counts[by_appearance]
-    grouped = torch.argsort(unit, stable=True)  # tokens grouped by unit, row-major within a unit
-    starts = counts.cumsum(0) - counts
-    slot = torch.empty_like(unit)
-    slot[grouped] = order - starts[unit[grouped]]
+    unit, slot, counts = numbered_by_appearance(kept)
     longest = max(int(counts.max()), 1) if counts.numel() else 1
     shape = (int(labels.shape[0]), int(labels.shape[1]))
     return TokenUnits(rows, positions, unit, slot, int(counts.numel()), longest, shape)
+
+
+def numbered_by_appearance(labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Each entry's unit (0..U-1 by first appearance in ``labels`` [N]), its place among its unit's, and the counts.
+
+    Returns:
+        ``unit`` [N], ``slot`` [N] (0, 1, ... in order within a unit) and each unit's entry count [U].
+    """
+    _, index, counts = torch.unique(labels, return_inverse=True, return_counts=True)  # sorted labels
+    order = torch.arange(labels.numel(), device=labels.device)
+    first = torch.full_like(counts, labels.numel()).scatter_reduce_(0, index, order, "amin")  # [U]
+    by_appearance = torch.argsort(first)  # labels in order of their first entry
+    renumbered = torch.empty_like(by_appearance)
+    renumbered[by_appearance] = torch.arange(by_appearance.numel(), device=labels.device)
+    unit, counts = renumbered[index], counts[by_appearance]
+    grouped = torch.argsort(unit, stable=True)  # entries grouped by unit, in order within a unit
+    starts = counts.cumsum(0) - counts  # [U]: where each unit's entries begin in ``grouped``
+    slot = torch.empty_like(unit)
+    slot[grouped] = order - starts[unit[grouped]]
+    return unit, slot, counts
 
 
 def relaid(values: Tensor, units: TokenUnits) -> Tensor:

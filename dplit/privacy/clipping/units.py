@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, Factor, FactoredGradient, GradientUse
-from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, numbered_by_appearance
 
 UNIT_KEY = "privacy_unit"
 """The batch key of the rows' privacy units: a [B] integer tensor, rows of one unit sharing a value."""
@@ -48,17 +48,7 @@ def units_of(batch: Mapping[str, Tensor]) -> Units | None:
         raise ValueError(
             f"batch[{UNIT_KEY!r}] must be a [B] integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
         )
-    _, label_index, label_counts = torch.unique(labels, return_inverse=True, return_counts=True)  # sorted labels
-    rows = torch.arange(labels.numel(), device=labels.device)
-    first = torch.full_like(label_counts, labels.numel()).scatter_reduce_(0, label_index, rows, "amin")  # [U]
-    by_appearance = torch.argsort(first)  # labels in order of their first row
-    renumbered = torch.empty_like(by_appearance)
-    renumbered[by_appearance] = torch.arange(by_appearance.numel(), device=labels.device)
-    unit, counts = renumbered[label_index], label_counts[by_appearance]
-    order = torch.argsort(unit, stable=True)  # rows grouped by unit, in batch order within a unit
-    starts = counts.cumsum(0) - counts  # [U]: where each unit's rows begin in ``order``
-    slot = torch.empty_like(unit)
-    slot[order] = rows - starts[unit[order]]
+    unit, slot, counts = numbered_by_appearance(labels)
     return Units(unit=unit, slot=slot, count=int(counts.numel()), most_rows=int(counts.max()) if counts.numel() else 0)
 
 
