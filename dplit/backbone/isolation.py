@@ -21,11 +21,12 @@ ISOLATING_ATTENTION = ("eager", "sdpa")
 
 
 def isolating_mask(segment_ids: Tensor, dtype: torch.dtype) -> Tensor:
-    """The additive attention mask [B, 1, T, T] letting each token see its own document's earlier tokens only.
+    """The attention mask [B, 1, T, T] letting each token see its own document's earlier tokens only.
 
     Args:
         segment_ids: [B, T] each token's document (-1: padding, which sees only itself and is seen by no one).
-        dtype: the attention scores' dtype (the model's).
+        dtype: ``torch.bool`` (True: attend; what SDPA takes whatever the autocast dtype), or the floating dtype of
+            an additive mask (0 or the dtype's lowest value; eager attention adds it to the scores).
     """
     same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, T, T]: query t, key s
     positions = torch.arange(segment_ids.shape[1], device=segment_ids.device)
@@ -33,8 +34,21 @@ def isolating_mask(segment_ids: Tensor, dtype: torch.dtype) -> Tensor:
     padding = segment_ids < 0
     own = torch.eye(segment_ids.shape[1], dtype=torch.bool, device=segment_ids.device)[None]  # [1, T, T]
     allowed = (same & causal & ~padding[:, None, :]) | (own & padding[:, :, None])  # padding: itself only
+    if dtype == torch.bool:
+        return allowed[:, None]  # [B, 1, T, T]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=segment_ids.device)
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]  # [B, 1, T, T]
+
+
+def model_mask(model: nn.Module, segment_ids: Tensor) -> Tensor:
+    """:func:`isolating_mask` in the form ``model``'s attention takes: boolean for SDPA, additive for eager.
+
+    The additive mask is in the dtype of the model's floating-point weights (float32 for a quantised base).
+    """
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
+        return isolating_mask(segment_ids, torch.bool)
+    floating = (p.dtype for p in model.parameters() if p.is_floating_point())
+    return isolating_mask(segment_ids, next(floating, torch.float32))
 
 
 def isolation_refusal(model: nn.Module) -> str | None:

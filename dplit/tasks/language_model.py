@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolating_mask, isolation_refusal
+from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolation_refusal, model_mask
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 DEFAULT_SAMPLE_PROMPTS = ("the movie", "this film is")
@@ -81,8 +81,7 @@ class CausalLanguageModel(CausalLMModule):
 
     def packed_logits(self, input_ids: Tensor, segment_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Next-token logits [B, T, V] of packed rows: each document attends to itself only, positions restarting."""
-        dtype = next(self.backbone.parameters()).dtype
-        mask = isolating_mask(segment_ids, dtype)  # [B, 1, T, T] block-diagonal causal
+        mask = model_mask(self.backbone, segment_ids)  # [B, 1, T, T] block-diagonal causal
         return self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
 
     def token_losses(self, batch: Batch) -> tuple[Tensor, Tensor]:

@@ -52,7 +52,9 @@ def test_a_long_documents_rows_share_a_group_and_a_users_documents_their_rows() 
 
 
 def test_padding_sees_itself_and_no_document_sees_padding_or_another_document() -> None:
-    mask = isolating_mask(torch.tensor([[0, 0, 1, -1]]), torch.float64)[0, 0] == 0
+    segments = torch.tensor([[0, 0, 1, -1]])
+    mask = isolating_mask(segments, torch.float64)[0, 0] == 0
+    assert torch.equal(isolating_mask(segments, torch.bool)[0, 0], mask)  # SDPA's boolean form: the same pattern
     assert mask.tolist() == [
         [True, False, False, False],
         [True, True, False, False],
