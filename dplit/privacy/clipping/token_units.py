@@ -50,19 +50,25 @@ class TokenUnits:
 
 def token_units_of(batch: Mapping[str, Tensor]) -> TokenUnits | None:
     """The token units of ``batch[TOKEN_UNIT_KEY]`` (``None`` without the key)."""
-    labels = batch.get(TOKEN_UNIT_KEY)
+    labels = unit_labels(batch, TOKEN_UNIT_KEY, shape="[B, T]")
     if labels is None:
         return None
-    if labels.dim() != 2 or labels.is_floating_point():
-        raise ValueError(
-            f"batch[{TOKEN_UNIT_KEY!r}] must be a [B, T] integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
-        )
     rows, positions = (labels >= 0).nonzero(as_tuple=True)  # row-major order
     kept = labels[rows, positions]  # [N]
     unit, slot, counts = numbered_by_appearance(kept)
     longest = max(int(counts.max()), 1) if counts.numel() else 1
     shape = (int(labels.shape[0]), int(labels.shape[1]))
     return TokenUnits(rows, positions, unit, slot, int(counts.numel()), longest, shape)
+
+
+def unit_labels(batch: Mapping[str, Tensor], key: str, *, shape: str) -> Tensor | None:
+    """``batch[key]``, checked to be an integer tensor of ``shape`` (``"[B]"`` or ``"[B, T]"``); ``None`` without it."""
+    labels = batch.get(key)
+    if labels is not None and (labels.dim() != shape.count(",") + 1 or labels.is_floating_point()):
+        raise ValueError(
+            f"batch[{key!r}] must be a {shape} integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
+        )
+    return labels
 
 
 def numbered_by_appearance(labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:

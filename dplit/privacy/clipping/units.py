@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, Factor, FactoredGradient, GradientUse
-from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, numbered_by_appearance
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, numbered_by_appearance, unit_labels
 
 UNIT_KEY = "privacy_unit"
 """The batch key of the rows' privacy units: a [B] integer tensor, rows of one unit sharing a value."""
@@ -41,13 +41,9 @@ class Units:
 
 def units_of(batch: Mapping[str, Tensor]) -> Units | None:
     """The units of ``batch[UNIT_KEY]`` (``None`` without the key: every row is its own unit)."""
-    labels = batch.get(UNIT_KEY)
+    labels = unit_labels(batch, UNIT_KEY, shape="[B]")
     if labels is None:
         return None
-    if labels.dim() != 1 or labels.is_floating_point():
-        raise ValueError(
-            f"batch[{UNIT_KEY!r}] must be a [B] integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
-        )
     unit, slot, counts = numbered_by_appearance(labels)
     return Units(unit=unit, slot=slot, count=int(counts.numel()), most_rows=int(counts.max()) if counts.numel() else 0)
 

@@ -18,7 +18,7 @@ from dplit.data.text import TextCollator, TextExample
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.privacy.clipping.self_check import check_ghost_norms
-from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, relaid, token_units_of, unit_token_sums
 from dplit.privacy.clipping.units import UNIT_KEY
 from dplit.privacy.refusal import SettingError
 from dplit.tasks.language_model import CausalLanguageModel
@@ -176,3 +176,14 @@ def test_the_per_example_engine_refuses_packed_rows() -> None:
     packed = pack_documents(documents([3, 4]), max_length=ROW, pad_token_id=0).batch
     with pytest.raises(SettingError, match="data.packing=true needs"):
         build_engine("per_example", model, max_grad_norm=1.0).accumulate(model.per_example_loss, packed)
+
+
+def test_token_units_are_numbered_by_first_token_and_laid_side_by_side() -> None:
+    units = token_units_of({TOKEN_UNIT_KEY: torch.tensor([[7, 7, 3, -1], [3, 9, 9, 9]])})
+    assert units is not None and units.count == 3 and units.longest == 3
+    assert units.unit.tolist() == [0, 0, 1, 1, 2, 2, 2] and units.slot.tolist() == [0, 1, 0, 1, 0, 1, 2]
+    values = torch.arange(1.0, 9.0).reshape(2, 4)  # padding (position 3 of row 0, value 4) is in no unit
+    assert relaid(values, units).tolist() == [[1, 2, 0], [3, 5, 0], [6, 7, 8]]
+    assert unit_token_sums(values, units).tolist() == [3, 8, 21]
+    with pytest.raises(ValueError, match="must be a \\[B, T\\] integer tensor"):
+        token_units_of({TOKEN_UNIT_KEY: torch.zeros(3)})
