@@ -19,7 +19,7 @@ from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, relaid, token_units_of, unit_token_sums
-from dplit.privacy.clipping.units import UNIT_KEY
+from dplit.privacy.clipping.units import UNIT_KEY, placeholder_example
 from dplit.privacy.refusal import SettingError
 from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_unit_gradients
@@ -187,3 +187,16 @@ def test_token_units_are_numbered_by_first_token_and_laid_side_by_side() -> None
     assert unit_token_sums(values, units).tolist() == [3, 8, 21]
     with pytest.raises(ValueError, match="must be a \\[B, T\\] integer tensor"):
         token_units_of({TOKEN_UNIT_KEY: torch.zeros(3)})
+
+
+def test_a_placeholder_pass_of_a_packed_batch_adds_zero() -> None:
+    """Sharded weights: a rank without a micro-batch runs a placeholder forward shaped like a packed batch."""
+    model = packed_task("gpt2", "tied")
+    packed = pack_documents(documents([3, 4]), max_length=ROW, pad_token_id=0).batch
+    stats, grads = run(
+        build_engine("ghost", model, max_grad_norm=1.0),
+        model,
+        lambda rows: model.per_example_loss(rows) * 0.0,
+        placeholder_example(packed),
+    )
+    assert stats.norms.shape == (1,) and all(bool((grad == 0).all()) for grad in grads.values())
