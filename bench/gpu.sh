@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# dplit on one CUDA GPU, time-boxed to under 9 minutes on one H100/H200, offline:
+# dplit on one CUDA GPU, time-boxed to under 10 minutes on one H100/H200, offline:
 #   tests          python -m pytest -m gpu: bf16-mixed ghost clipping vs the fp32 reference on CUDA, DPStrategy on
 #                  one GPU with NCCL, CUDA peak-memory logging                                        (90 s)
 #   bench_gpt2     bench.run, GPT-2 size, B=16, T=128, bf16-mixed: non-private tied/untied, dplit ghost
@@ -12,10 +12,12 @@
 #                  size 2 (into fsdp_smoke/world2/)                                                    (40 s)
 #   memory_smoke   bench.memory at SmolLM2-135M's shape on CUDA, B=8, T=512, bf16 autocast, bf16 4-bit compute:
 #                  DP and non-private LoRA and QLoRA (NF4), each with and without checkpointing      (40 s)
-# Each part runs under `timeout` with its own budget, capped by what is left of DPLIT_GPU_TOTAL_S (525 s).
+#   packing        bench.packing, GPT-2 size, rows of 512 tokens, 256 documents: packed vs padded DP tokens/s (ghost)
+#                  and the packed non-private step, on SST-2 sentences and a log-normal mix (issue 54)  (60 s)
+# Each part runs under `timeout` with its own budget, capped by what is left of DPLIT_GPU_TOTAL_S (585 s).
 # Writes bench/results/gpu/ (or $DPLIT_GPU_OUT): summary.md and summary.json (each part's status, exit code,
 # wall time and budget, the machine: nvidia-smi, torch, CUDA), machine.json, each part's console log
-# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/, fsdp_smoke/, memory_smoke/). Bulky
+# (<part>.log) and results folder (bench_gpt2/, bench_smollm2/, tying/, fsdp_smoke/, memory_smoke/, packing/). Bulky
 # scratch (Lightning logs, the dequantised checkpoint) goes to bench/out/gpu/ (git-ignored; $DPLIT_GPU_WORK).
 # Without CUDA every part is skipped with the reason in the summary, in a few seconds, exit 0; such a run never
 # replaces the summary of an earlier GPU run in the default folder (it writes bench/out/gpu/cpu-check/).
@@ -23,7 +25,7 @@
 # Run:  bash bench/gpu.sh                (from the repository root; exit 0 when no part failed or timed out)
 # Each part runs in the repository root, as `python -m bench.<name>` or `python -m pytest`.
 # Env:  PYTHON (python), DPLIT_DATA_DIR (default ../shared/data, else shared/data), DPLIT_GPU_OUT, DPLIT_GPU_WORK,
-#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP / _MEMORY (seconds per part)
+#       DPLIT_GPU_TOTAL_S, DPLIT_GPU_BUDGET_TESTS / _GPT2 / _SMOLLM2 / _TYING / _FSDP / _MEMORY / _PACKING (s per part)
 set -uo pipefail
 
 CALLER_DIR=$PWD
@@ -33,7 +35,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_
 
 START=$(date +%s)
 START_ISO=$(date -Iseconds)
-TOTAL=${DPLIT_GPU_TOTAL_S:-525}
+TOTAL=${DPLIT_GPU_TOTAL_S:-585}
 GRACE=10  # seconds a part gets after SIGTERM before SIGKILL (counted inside the total)
 declare -A BUDGET=(
   [tests]=${DPLIT_GPU_BUDGET_TESTS:-90}
@@ -42,6 +44,7 @@ declare -A BUDGET=(
   [tying]=${DPLIT_GPU_BUDGET_TYING:-170}
   [fsdp_smoke]=${DPLIT_GPU_BUDGET_FSDP:-40}
   [memory_smoke]=${DPLIT_GPU_BUDGET_MEMORY:-40}
+  [packing]=${DPLIT_GPU_BUDGET_PACKING:-60}
 )
 BENCH_CONFIGS=(non_private:untied non_private:tied dplit_ghost:untied dplit_ghost:tied dplit_per_example:tied
                opacus_ghost:untied)
@@ -133,11 +136,11 @@ if (( ! CUDA )) && [[ -z ${DPLIT_GPU_OUT:-} && -f $OUT/summary.json ]] \
 fi
 mkdir -p "$OUT" || exit 2
 for name in summary.json summary.md machine.json nvidia-smi.txt parts.tsv tests.log tests.junit.xml \
-            bench_gpt2.log bench_smollm2.log tying.log fsdp_smoke.log memory_smoke.log; do
+            bench_gpt2.log bench_smollm2.log tying.log fsdp_smoke.log memory_smoke.log packing.log; do
   rm -f -- "${OUT:?}/$name"
 done
 rm -rf -- "${OUT:?}/bench_gpt2" "${OUT:?}/bench_smollm2" "${OUT:?}/tying" "${OUT:?}/fsdp_smoke" \
-          "${OUT:?}/memory_smoke"
+          "${OUT:?}/memory_smoke" "${OUT:?}/packing"
 mv "$PROBE" "$OUT/machine.json"
 command -v nvidia-smi >/dev/null 2>&1 && timeout 30 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
@@ -319,6 +322,8 @@ part() {  # name: sets CMD to the part's command
     fsdp_smoke) fsdp_command ;;
     memory_smoke) CMD=("$PYTHON" -m bench.memory --device cuda --size smollm2 --batch-size 8 --seq-len 512 --warmup 1
                        --steps 2 --out "$OUT/memory_smoke") ;;
+    packing) CMD=("$PYTHON" -m bench.packing --device cuda --model gpt2 --row 512 --documents 256 --micro 32
+                  --repeats 2 --out "$OUT/packing") ;;
     tying) CMD=("$PYTHON" -m bench.tying --full --seeds 0 --epsilons 8 --arms dp_tied dp_untied
                 --train-examples 4096 --epochs 1 --batch-size 512 --physical-batch-size 128 --accelerator gpu
                 --precision bf16-mixed --timeout 75 --data-root "$DATA" --out "$OUT/tying" --logs "$WORK/tying/runs") ;;
@@ -339,7 +344,7 @@ after_tying() {  # each arm's console output beside the results (the Lightning l
 }
 
 echo "dplit gpu.sh: results in $OUT; budget ${TOTAL} s"
-for name in tests bench_gpt2 bench_smollm2 tying fsdp_smoke memory_smoke; do
+for name in tests bench_gpt2 bench_smollm2 tying fsdp_smoke memory_smoke packing; do
   part "$name"
   if (( ! CUDA )); then
     skip "$name" "$NO_CUDA_REASON" "${CMD[@]}"

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
@@ -117,6 +118,8 @@ class DPDataModule(LightningDataModule):
         self.tokenizer: PreTrainedTokenizerBase = self.tokenizer_for(self.hparams)
         self.vocab_size: int = len(self.tokenizer)
         self.collate_fn = self.COLLATOR(self.tokenizer.pad_token_id, padding_side)
+        self.train_collate_fn: Callable[[list[Any]], dict[str, Tensor]] = self.collate_fn
+        """How training batches are collated (a subclass may pack them); evaluation batches use ``collate_fn``."""
         self._datasets: dict[str, UnitItems] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -187,7 +190,8 @@ class DPDataModule(LightningDataModule):
         return self._loader(self.EVAL_SPLIT, self.eval_batch_size, shuffle=False)
 
     def _loader(self, split: str, batch_size: int, shuffle: bool) -> DataLoader:
-        return DataLoader(self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=self.collate_fn,
+        collate = self.train_collate_fn if split == TRAIN else self.collate_fn
+        return DataLoader(self.dataset(split), batch_size=batch_size, shuffle=shuffle, collate_fn=collate,
                           num_workers=self.num_workers)  # fmt: skip
 
     def limit(self, split: str) -> int | None:

@@ -18,6 +18,7 @@ from dplit.data.batches import PadCollator, UnitItems, pad_token_rows, user_fiel
 from dplit.data.corpus import make_corpus_split
 from dplit.data.datamodule import BUILTIN, CorpusDataModule
 from dplit.data.files import TextRows, read_rows, refusal
+from dplit.data.packing import PackingCollator
 from dplit.data.sources import load_hub_dataset
 
 if TYPE_CHECKING:
@@ -72,7 +73,8 @@ class TextDataModule(CorpusDataModule):
         prompt_column: the prompt column of instruction data (set with ``response_column``); the loss is then
             on the response tokens only and ``text_column`` is unused.
         response_column: the response column of instruction data.
-        packing: must stay ``False``: packing several rows into one sequence breaks the per-example privacy unit.
+        packing: pack each sampled training batch into rows of ``max_length`` tokens (:mod:`dplit.data.packing`):
+            documents isolated from one another, each still its own privacy unit (ghost clipping per document).
         builtin_train_size: training texts of the built-in corpus (:mod:`dplit.data.corpus`).
         builtin_val_size: validation texts of the built-in corpus.
         privacy_unit: ``"example"`` (each row is protected) or ``"user"`` (each user with all of its rows).
@@ -95,17 +97,16 @@ class TextDataModule(CorpusDataModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(privacy_unit=privacy_unit, **kwargs)
+        if packing:  # the training batches only: validation stays padded
+            self.train_collate_fn = PackingCollator(
+                max_length=self.max_length, pad_token_id=self.tokenizer.pad_token_id
+            )
 
     @override
     def check_options(self) -> None:
-        """Refuse packing and half of an instruction pair's columns; warn of options this data ignores."""
+        """Refuse half of an instruction pair's columns; warn of options this data ignores."""
         super().check_options()
         hp = self.hparams
-        if hp.packing:
-            raise ValueError(
-                "data.packing=true is refused under DP: packing puts several rows in one sequence, so one "
-                "row's tokens shape another's gradient and the per-example privacy unit breaks"
-            )
         if (hp.prompt_column is None) != (hp.response_column is None):
             raise ValueError("set both data.prompt_column and data.response_column (instruction data), or neither")
         self.warn_ignored(_ignored_options(hp))

@@ -81,7 +81,7 @@ def ledger_facts(
         "target_epsilon": settings.target_epsilon, "expected_batch_size": units.expected_batch_size if units else None,
         "epsilon_steps": epsilon_steps, "sampling": "poisson", **bound.facts(), **bound.state_dict(),
         **(gradient_noise if bound.mode == "quantile" else {}),
-        **unit_facts(units, private_diagnostics=settings.private_diagnostics),
+        **unit_facts(units, private_diagnostics=settings.private_diagnostics), **(units.packing if units else {}),
         "clipping": settings.clipping, "tied_norm": settings.tied_norm, "noise": noise.describe(),
         "noise_secure": noise.secure and history.noise_secure,
         "differentially_private": reason is None and bool(sigma), "reason_not_private": reason,

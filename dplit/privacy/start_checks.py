@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dplit.privacy.fingerprint import IndexedRows, rows_fingerprint
 from dplit.privacy.ledger import RunLedger
+from dplit.privacy.refusal import OWNER, SettingError
 from dplit.privacy.settings import DPSGDSettings
 from dplit.privacy.training_units import TrainingUnits
 from dplit.privacy.user_sampling import UserLevel
@@ -19,6 +20,7 @@ def check_start(
     check_delta(settings, world, delta=delta, size=units.size)
     check_ranks_hold_the_same_rows(world, units.rows)
     check_users_fit_a_micro_batch(settings, units.users)
+    check_packing_engine(settings, units)
 
 
 def check_same_dataset_size(restored: int | None, dataset_size: int) -> None:
@@ -68,4 +70,14 @@ def check_users_fit_a_micro_batch(settings: DPSGDSettings, users: UserLevel | No
         raise ValueError(
             f"{settings.flag_owner}.max_physical_batch_size={size} is below data.max_rows_per_user="
             f"{users.max_rows_per_user}: a user's rows are clipped together in one micro-batch"
+        )
+
+
+def check_packing_engine(settings: DPSGDSettings, units: TrainingUnits) -> None:
+    """Refuse packed rows to an engine that clips whole rows (only the ghost engine clips per document)."""
+    if units.packing and settings.clipping != "ghost":
+        raise SettingError(
+            f"data.packing=true needs {OWNER}.clipping=ghost: the {settings.clipping} engine clips whole rows, and a "
+            "packed row holds several documents",
+            owner=settings.flag_owner,
         )

@@ -7,8 +7,8 @@ draws users and each sampled user brings at most k rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from torch.utils.data import DataLoader
 
@@ -25,6 +25,15 @@ def row_unit_of(dataset: object) -> str:
     return PAIR_UNIT if isinstance(dataset, UnitDataset) and dataset.privacy_unit == PAIR_UNIT else "example"
 
 
+@runtime_checkable
+class PackingCollate(Protocol):
+    """A collate function that packs documents into rows (:class:`~dplit.data.packing.PackingCollator`)."""
+
+    def ledger_facts(self) -> dict[str, str]:
+        """What the ledger and the card say of the packing: public settings only, nothing about the data."""
+        ...
+
+
 @dataclass(frozen=True)
 class TrainingUnits:
     """The privacy unit of a training set, its count N and the Poisson rate q.
@@ -36,6 +45,8 @@ class TrainingUnits:
         sample_rate: q = expected units per logical batch / N.
         rows: the training rows, by index.
         users: who owns each row (``None`` unless the unit is the user).
+        packing: the packing's public facts when the loader packs documents into rows (``{}``: one unit a row, or a
+            user's rows).
     """
 
     name: str
@@ -44,6 +55,7 @@ class TrainingUnits:
     sample_rate: float
     rows: IndexedRows
     users: UserLevel | None = None
+    packing: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, loader: DataLoader) -> TrainingUnits:
@@ -53,7 +65,17 @@ class TrainingUnits:
         size, rate = size_and_rate(loader, count, users=users is not None)
         item = row_unit_of(loader.dataset)
         name = "user" if users is not None else item
-        return cls(name=name, item=item, size=size, sample_rate=rate, rows=loader.dataset, users=users)  # type: ignore[arg-type]
+        collate = loader.collate_fn
+        packing = collate.ledger_facts() if isinstance(collate, PackingCollate) else {}
+        return cls(
+            name=name,
+            item=item,
+            size=size,
+            sample_rate=rate,
+            rows=loader.dataset,
+            users=users,
+            packing=packing,  # type: ignore[arg-type]
+        )
 
     @property
     def expected_batch_size(self) -> float:

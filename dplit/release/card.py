@@ -307,6 +307,7 @@ _FACTS = (
     ("clip_bound", "last clipping bound C"),
     ("automatic_stability", "automatic clipping γ"),
     ("tied_norm", "tied-weight norm"),
+    ("packing", "packed rows"),
     ("noise", "noise seeding"),
     ("starting_point", "starting point (public weights)"),
     ("starting_point_digest", "starting point digest"),

@@ -142,6 +142,7 @@ def guarantee_of(checkpoint: dict[str, Any], *, publish_private_diagnostics: boo
         "clipping": last.get("clipping"),
         **_clip_mode_facts(last, varying),
         "tied_norm": last.get("tied_norm"),
+        **({"packing": last["packing"]} if last.get("packing") else {}),
         "noise": _noise_sources(dp),
         "run_id": last.get("run_id"),
         "per_segment": varying,

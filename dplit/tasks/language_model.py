@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from dplit.backbone.isolation import POSITION_KEY, SEGMENT_KEY, isolation_refusal, model_mask
+from dplit.privacy.diagnostics import private_diagnostics_allowed
 from dplit.tasks.base import Batch, CausalLMModule, positions_of
 
 DEFAULT_SAMPLE_PROMPTS = ("the movie", "this film is")
+
+
+@runtime_checkable
+class PackedRowsReport(Protocol):
+    """A collate function that packs documents into rows and says how full they were (``data.packing=true``)."""
+
+    def summary(self) -> str:
+        """One line: how many rows were packed and how full they were (from the private data, without noise)."""
+        ...
 
 
 class CausalLanguageModel(CausalLMModule):
@@ -59,6 +71,17 @@ class CausalLanguageModel(CausalLMModule):
         tokenizer = getattr(self.trainer.datamodule, "tokenizer", None) if self.trainer.datamodule else None
         if tokenizer is not None:
             _check_prompt_lengths(self._sample_prompts, tokenizer, self.hparams.sample_tokens, self.max_positions)
+        packing = getattr(self.trainer.datamodule, "hparams", {}).get("packing") if self.trainer.datamodule else False
+        refusal = isolation_refusal(self.backbone) if packing else None
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    @override
+    def on_train_end(self) -> None:
+        """Say how full a packed run's rows were (``data.packing=true``): a private diagnostic, as ``train/loss`` is."""
+        collate = getattr(self.trainer.train_dataloader, "collate_fn", None)
+        if isinstance(collate, PackedRowsReport) and private_diagnostics_allowed(self.trainer.strategy):
+            rank_zero_info(collate.summary())
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
@@ -66,26 +89,47 @@ class CausalLanguageModel(CausalLMModule):
         positions = positions_of(attention_mask)  # [B, T]
         return self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions).logits
 
+    def packed_logits(self, input_ids: Tensor, segment_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Next-token logits [B, T, V] of packed rows: each document attends to itself only, positions restarting."""
+        mask = model_mask(self.backbone, segment_ids)  # [B, 1, T, T] block-diagonal causal
+        return self.backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids).logits
+
     def token_losses(self, batch: Batch) -> tuple[Tensor, Tensor]:
-        """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1]."""
+        """Cross-entropy of each predicted token [B, T-1] and the mask of trained predictions [B, T-1].
+
+        A packed batch (``segment_ids``) trains no prediction across a document boundary.
+        """
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        logits = self(ids, mask)  # [B, T, V]
-        predicted = logits[:, :-1].float()  # [B, T-1, V]: position t predicts token t + 1
+        segments = batch.get(SEGMENT_KEY)
+        logits = self(ids, mask) if segments is None else self.packed_logits(ids, segments, batch[POSITION_KEY])
+        predicted = logits[:, :-1]  # [B, T-1, V]: position t predicts token t + 1
+        predicted = predicted if predicted.dtype == torch.float64 else predicted.float()  # 16-bit: in float32
         losses = F.cross_entropy(predicted.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-        trained = (batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]).to(losses.dtype)  # [B, T-1]
+        trained = batch["loss_mask"][:, 1:] * mask[:, 1:] * mask[:, :-1]  # [B, T-1]
+        if segments is not None:
+            trained = trained * (segments[:, 1:] == segments[:, :-1])  # within one document
+        trained = trained.to(losses.dtype)
         return losses * trained, trained
 
     @override
     def per_example_loss(self, batch: Batch) -> Tensor:
-        """Each example's summed (or mean) token loss [B]; example i's loss depends on example i only."""
+        """Each example's summed (or mean) token loss [B]; example i's loss depends on example i only.
+
+        A packed batch gives per-token losses [B, T] instead (each document's own sum or mean, spread over its
+        tokens): the ghost engine sums them per document (or user).
+        """
         losses, trained = self.token_losses(batch)
+        if SEGMENT_KEY in batch:
+            return _packed_token_losses(losses, trained, batch[SEGMENT_KEY], mean=self.hparams.loss_reduction == "mean")
         total = losses.sum(1)  # [B]
         return total if self.hparams.loss_reduction == "sum" else total / trained.sum(1).clamp(min=1)
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         """Non-private step (DPStrategy replaces it with clipped, noisy micro-batches)."""
-        loss = self.per_example_loss(batch).mean()
+        losses = self.per_example_loss(batch)
+        documents = int(batch[SEGMENT_KEY].max()) + 1 if SEGMENT_KEY in batch else losses.shape[0]
+        loss = losses.sum() / max(documents, 1)
         self.log("train/loss", loss, batch_size=batch["input_ids"].shape[0])
         return loss
 
@@ -137,6 +181,19 @@ class CausalLanguageModel(CausalLMModule):
             if isinstance(logger, TensorBoardLogger) and self.trainer.is_global_zero:
                 text = "\n\n".join(f"**{p}** → {s}" for p, s in zip(self._sample_prompts, samples, strict=True))
                 logger.experiment.add_text("samples/greedy", text, global_step=self.global_step)
+
+
+def _packed_token_losses(losses: Tensor, trained: Tensor, segments: Tensor, *, mean: bool) -> Tensor:
+    """Per-token losses [B, T] of packed rows: summed per document they give its sum (or, ``mean``, its mean).
+
+    ``losses`` and ``trained`` are per prediction [B, T-1] (position t predicts t + 1, in t's document).
+    """
+    if mean:  # each document's trained predictions, over all its rows
+        documents = segments[:, :-1].clamp(min=0)  # [B, T-1]: padding (-1) predicts nothing
+        counts = trained.new_zeros(int(segments.max()) + 1 if segments.numel() else 1)
+        counts.index_add_(0, documents.reshape(-1), trained.reshape(-1))
+        losses = losses / counts[documents].clamp(min=1)
+    return F.pad(losses, (0, 1))  # [B, T]: the last position predicts nothing
 
 
 def _check_samples(sample_prompts: list[str] | None, sample_tokens: int) -> None:

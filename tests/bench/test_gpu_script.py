@@ -18,7 +18,7 @@ from tests.helpers.paths import REPOSITORY
 
 ROOT = REPOSITORY
 SCRIPT = ROOT / "bench" / "gpu.sh"
-PARTS = ["tests", "bench_gpt2", "bench_smollm2", "tying", "fsdp_smoke", "memory_smoke"]
+PARTS = ["tests", "bench_gpt2", "bench_smollm2", "tying", "fsdp_smoke", "memory_smoke", "packing"]
 
 
 def run_script(out: Path, work: Path, script: Path = SCRIPT, **env: str) -> subprocess.CompletedProcess[str]:

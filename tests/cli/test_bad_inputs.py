@@ -371,6 +371,8 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("train-file-is-a-directory", lm_files("train.jsonl", '{"text": "fine"}\n', "--data.train_file", "{scratch}"), r"^data.train_file='.*': is a directory, expected a .jsonl/.json/.csv/.txt file$"),
     ("lm-hub-dataset-offline", lm_hub_dataset("someuser/private-notes"), r"^data\.dataset='someuser/private-notes' could not be loaded from the Hugging Face hub \(offline, or no such dataset\)"),
     ("lm-empty-sample-prompt", lm_flags("--model.sample_prompts", '["the movie", ""]'), r"^model\.sample_prompts\[1\]='': each prompt must be a non-empty string"),
+    ("lm-packing-per-example-engine", lm_flags("--data.packing", "true", "--trainer.strategy.clipping", "per_example"), r"^data\.packing=true needs DPStrategy\.clipping=ghost: the per_example engine clips whole rows"),
+    ("lm-packing-document-longer-than-a-row", lm_flags("--data.packing", "true", "--data.overlength", "refuse", "--data.max_length", "8"), r"^builtin corpus \[train, seed=0\], row \d+: \d+ tokens, longer than data\.max_length=8 \(set data\.overlength=truncate to cut it\)$"),
     # peft adapters
     ("peft-not-a-peft-config", flags("--model.peft", '{"class_path": "torch.nn.Linear", "init_args": {"in_features": 2, "out_features": 2}}'), r"^model\.peft: Import path torch\.nn\.Linear does not correspond to a peft config class"),
     ("peft-target-modules-match-nothing", flags("--model.peft", lora_on("q_proj")), r"^model\.peft: Target modules \{'q_proj'\} not found in the base model"),

@@ -163,8 +163,6 @@ def test_bad_rows_name_the_file_and_row(
 def test_truncation_packing_and_flag_pairs(tmp_path: Path, tiny_bpe_dir: Path) -> None:
     data = datamodule(tmp_path, tiny_bpe_dir, [{"text": "great " * 40}], max_length=16)
     assert len(data.dataset("train")[0]["input_ids"]) == 16
-    with pytest.raises(ValueError, match="data.packing=true is refused under DP"):
-        TextDataModule(packing=True)
     with pytest.raises(ValueError, match="data.prompt_column and data.response_column"):
         TextDataModule(prompt_column="prompt")
 
@@ -198,7 +196,7 @@ def test_lm_quickstart_perplexity_falls_far_below_the_untrained_model(tmp_path: 
     assert cli.trainer.callback_metrics["privacy/epsilon"] <= 8.0
 
 
-@pytest.mark.parametrize("config", ["smollm2_lm.yaml", "smollm2_lm_lora.yaml"])
+@pytest.mark.parametrize("config", ["smollm2_lm.yaml", "smollm2_lm_lora.yaml", "smollm2_lm_packed.yaml"])
 def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(config: str, tmp_path: Path, tiny_bpe_dir: Path) -> None:
     train = write_jsonl(tmp_path / "train.jsonl", [{"text": f"It was great {i}."} for i in range(16)])
     llama = {**FAMILIES["llama"], "max_position_embeddings": 256}
@@ -209,6 +207,7 @@ def test_smollm2_lm_config_runs_a_step_offline_on_a_tiny_llama(config: str, tmp_
         "--model.pretrained", "null", "--model.config", json.dumps(llama),
         "--data.tokenizer", str(tiny_bpe_dir), "--data.train_file", str(train), "--data.val_file", str(train),
         "--data.batch_size", "4", "--data.eval_batch_size", "4",
+        *(["--data.max_length", "64"] if "packed" in config else []),
     ])  # fmt: skip
     assert cli.trainer.strategy.accountant.steps == 1 and is_tied(cli.model.backbone)
     lora = [name for name, p in cli.model.named_parameters() if p.requires_grad and "lora_" in name]

@@ -52,6 +52,7 @@ from dplit.privacy.clipping.parameter_norms import (
 )
 from dplit.privacy.clipping.recorder import CallRecorder, ModuleCall, checkpointable
 from dplit.privacy.clipping.rounding import clipping_arithmetic
+from dplit.privacy.clipping.token_units import TokenUnits, relaid, token_units_of, unit_token_sums
 from dplit.privacy.clipping.units import Units, grouped_use, unit_sums, units_of, without_units
 from dplit.privacy.refusal import OWNER, SettingError
 
@@ -239,7 +240,9 @@ class GhostEngine(ClippingEngine):
         """Add Σ_i c_i ∇ℓ_i to ``param.grad`` from one forward and one backward pass.
 
         With ``batch[UNIT_KEY]`` each privacy unit (user) is one example: its rows' gradients are added and
-        clipped together, and the returned losses and norms are per unit.
+        clipped together, and the returned losses and norms are per unit. With ``batch[TOKEN_UNIT_KEY]`` (packed
+        rows) each token's unit is one example: ``loss_fn`` returns per-token losses [B, T] and each unit's
+        gradient is its tokens' (see :mod:`dplit.privacy.clipping.token_units`).
         """
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
@@ -249,8 +252,12 @@ class GhostEngine(ClippingEngine):
                 self._summed(param)
             empty = torch.zeros(0, dtype=dtype, device=next(iter(batch.values())).device)
             return ClipStats(losses=empty, norms=empty)
-        units = units_of(batch)
-        losses, uses, recomputed = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype, units=units)
+        units, tokens = _units(batch)
+        losses, uses, recomputed = self._gradient_uses(
+            loss_fn, without_units(batch), coverage, dtype, units=units, tokens=tokens
+        )
+        if tokens is not None:  # packed rows: the uses are already per unit
+            losses = unit_token_sums(losses, tokens)
         if units is not None:  # a unit of several rows is one example: its rows' positions side by side
             losses = unit_sums(losses, units)
             uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
@@ -285,8 +292,10 @@ class GhostEngine(ClippingEngine):
         """
         coverage = self.coverage()
         dtype = _norm_dtype(p for _, p in coverage.parameters.values())
-        units = units_of(batch)
-        losses, uses, recomputed = self._gradient_uses(loss_fn, without_units(batch), coverage, dtype, units=units)
+        units, tokens = _units(batch)
+        losses, uses, recomputed = self._gradient_uses(
+            loss_fn, without_units(batch), coverage, dtype, units=units, tokens=tokens
+        )
         if units is not None:
             uses = {key: [grouped_use(use, units) for use in parameter_uses] for key, parameter_uses in uses.items()}
         with clipping_arithmetic(losses.device.type):
@@ -328,19 +337,27 @@ class GhostEngine(ClippingEngine):
         return {key: squared[key] for key in uses}  # in the order of the uses
 
     def _gradient_uses(
-        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, dtype: torch.dtype, *, units: Units | None
+        self,
+        loss_fn: PerExampleLoss,
+        batch: Batch,
+        coverage: Coverage,
+        dtype: torch.dtype,
+        *,
+        units: Units | None,
+        tokens: TokenUnits | None = None,
     ) -> tuple[Tensor, dict[int, list[GradientUse]], RecomputedNorms]:
         """One forward and one backward (no weight gradients); each parameter's per-example uses by ``id``.
 
         Uses of calls recomputed under activation checkpointing are normed as they complete, in the backward pass
-        (:class:`RecomputedNorms`, over ``units`` when given); the rest are returned.
+        (:class:`RecomputedNorms`, over ``units`` when given); the rest are returned. With ``tokens`` every use is
+        per token unit already.
         """
-        recomputed = RecomputedNorms(coverage, dtype, units=units)
+        recomputed = RecomputedNorms(coverage, dtype, units=units, tokens=tokens)
         recorder = CallRecorder(on_complete=recomputed.take)
         params = [p for _, p in coverage.parameters.values()]
         try:
             with torch.enable_grad(), _weight_gradients_off(params), set_checkpoint_early_stop(False):
-                losses, calls = self._forward(loss_fn, batch, coverage, recorder)  # every layer replayed whole
+                losses, calls = self._forward(loss_fn, batch, coverage, recorder, per_token=tokens is not None)
                 _check_gradients_recorded(calls)
                 recorder.forward_done()
                 recomputed.calls_per_module = recorder.calls_per_module()
@@ -350,10 +367,10 @@ class GhostEngine(ClippingEngine):
             recorder.remove_hooks()
         recorder.check_paired()
         with clipping_arithmetic(losses.device.type):
-            return losses, _collect_uses(calls, coverage, dtype), recomputed
+            return losses, _collect_uses(calls, coverage, dtype, tokens), recomputed
 
     def _forward(
-        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, recorder: CallRecorder
+        self, loss_fn: PerExampleLoss, batch: Batch, coverage: Coverage, recorder: CallRecorder, *, per_token: bool
     ) -> tuple[Tensor, list[ModuleCall]]:
         """Run ``loss_fn`` with covered modules recorded and every parameter use watched; check what ran.
 
@@ -374,7 +391,7 @@ class GhostEngine(ClippingEngine):
                 losses = loss_fn(batch)
         if monitor.violations:
             raise SettingError("; ".join(monitor.violations))
-        _check_batch_dims(losses, recorder.calls)
+        _check_batch_dims(losses, recorder.calls, per_token=per_token)
         return losses, recorder.calls
 
 
@@ -394,8 +411,10 @@ class RecomputedNorms:
         calls_per_module: how many times each covered module ran (set after the forward).
     """
 
-    def __init__(self, coverage: Coverage, dtype: torch.dtype, *, units: Units | None) -> None:
-        self._coverage, self._dtype, self._units = coverage, dtype, units
+    def __init__(
+        self, coverage: Coverage, dtype: torch.dtype, *, units: Units | None, tokens: TokenUnits | None = None
+    ) -> None:
+        self._coverage, self._dtype, self._units, self._tokens = coverage, dtype, units, tokens
         self.squared: dict[int, Tensor] = {}
         self.kept: dict[int, Tensor] = {}
         self.room = KEPT_ELEMENTS
@@ -405,7 +424,7 @@ class RecomputedNorms:
         """Norm what can be normed of a complete recomputed call; keep its other uses; let its tensors go."""
         assert call.activation is not None
         with clipping_arithmetic(call.activation.device.type):
-            found = _call_uses(call, self._coverage, self._dtype)
+            found = _call_uses(call, self._coverage, self._dtype, self._tokens)
             in_call = Counter(key for key, _ in found)  # a parameter held under two attributes: two uses
             for key, use in found:
                 grouped = grouped_use(use, self._units) if self._units is not None and in_call[key] == 1 else use
@@ -427,9 +446,17 @@ def _is_empty(batch: Batch) -> bool:
     return bool(tensors) and all(value.shape[0] == 0 for value in tensors)
 
 
-def _check_batch_dims(losses: Tensor, calls: list[ModuleCall]) -> None:
+def _units(batch: Batch) -> tuple[Units | None, TokenUnits | None]:
+    """The batch's row units, or its token units (packed rows: the row units only keep rows together)."""
+    tokens = token_units_of(batch)
+    return (None, tokens) if tokens is not None else (units_of(batch), None)
+
+
+def _check_batch_dims(losses: Tensor, calls: list[ModuleCall], *, per_token: bool = False) -> None:
     """Refuse per-batch (not per-example) losses and covered calls whose dim 0 is not the example."""
-    if losses.dim() != 1:
+    if per_token and losses.dim() != 2:
+        raise SettingError(f"packed rows: loss_fn must return per-token losses [B, T]; got {tuple(losses.shape)}")
+    if not per_token and losses.dim() != 1:
         raise SettingError(f"loss_fn must return one loss per example, shape [B]; got shape {tuple(losses.shape)}")
     for call in calls:
         if not call.input_shape or call.input_shape[0] != losses.shape[0]:
@@ -450,23 +477,30 @@ def _check_gradients_recorded(calls: list[ModuleCall]) -> None:
             )
 
 
-def _collect_uses(calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtype) -> dict[int, list[GradientUse]]:
-    """Each trainable parameter's per-example gradient uses (by parameter ``id``) from the recorded calls."""
+def _collect_uses(
+    calls: list[ModuleCall], coverage: Coverage, dtype: torch.dtype, tokens: TokenUnits | None = None
+) -> dict[int, list[GradientUse]]:
+    """Each trainable parameter's per-example (per token unit) gradient uses by parameter ``id``, from the calls."""
     uses: dict[int, list[GradientUse]] = {}
     for call in calls:
-        for key, use in call.uses if call.reduced else _call_uses(call, coverage, dtype):
+        for key, use in call.uses if call.reduced else _call_uses(call, coverage, dtype, tokens):
             uses.setdefault(key, []).append(use)
     return uses
 
 
-def _call_uses(call: ModuleCall, coverage: Coverage, dtype: torch.dtype) -> list[tuple[int, GradientUse]]:
+def _call_uses(
+    call: ModuleCall, coverage: Coverage, dtype: torch.dtype, tokens: TokenUnits | None = None
+) -> list[tuple[int, GradientUse]]:
     """(parameter ``id``, per-example gradient use) of each trainable parameter one call used.
 
-    None for a call without an output gradient: its output did not reach the loss.
+    None for a call without an output gradient: its output did not reach the loss. With ``tokens`` the call's input
+    and output gradient are re-laid by unit first, so the uses are per unit.
     """
     activation, output_grad = call.activation, call.output_grad
     if activation is None or output_grad is None:
         return []
+    if tokens is not None:
+        activation, output_grad = relaid(activation, tokens), relaid(output_grad, tokens)
     if activation.is_floating_point() and activation.dtype != dtype:
         activation = activation.to(dtype)
     if output_grad.dtype != dtype:

@@ -15,6 +15,7 @@ from dplit.privacy.clipping.engine import (
     trainable_parameters,
 )
 from dplit.privacy.clipping.rounding import clipping_arithmetic, kept_gradient_norm, unit_roundoff
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
 from dplit.privacy.clipping.units import unit_sums, units_of, without_units
 from dplit.privacy.refusal import OWNER, SettingError
 
@@ -59,6 +60,11 @@ class PerExampleEngine(ClippingEngine):
 
     def accumulate(self, loss_fn: PerExampleLoss, batch: Batch) -> ClipStats:
         """Add Σ_i c_i ∇ℓ_i to ``param.grad`` using materialised per-example gradients."""
+        if TOKEN_UNIT_KEY in batch:
+            raise SettingError(
+                f"data.packing=true needs {OWNER}.clipping=ghost: the per_example engine clips whole rows, and a packed "
+                "row holds several documents"
+            )
         wrapper = _LossModule(self._module, loss_fn)
         params = {f"module.{name}": p.detach() for name, p in trainable_parameters(self._module).items()}
 

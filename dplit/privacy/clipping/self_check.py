@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from dplit.privacy.clipping.engine import Batch, PerExampleLoss, trainable_parameters
 from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY
 from dplit.privacy.clipping.units import units_of, without_units
 
 
@@ -89,6 +90,8 @@ def _first_units(batch: Batch, count: int) -> Batch:
 def _autograd_norms(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) -> dict[str, Tensor]:
     """Each trainable parameter's per-example (per-unit) gradient norm [k] from one backward per example (unit)."""
     params = trainable_parameters(module)
+    if TOKEN_UNIT_KEY in batch:
+        return _autograd_token_unit_norms(params, loss_fn, batch)
     units = units_of(batch)
     size = next(iter(batch.values())).shape[0] if units is None else units.count
     plain = without_units(batch)
@@ -101,6 +104,28 @@ def _autograd_norms(module: nn.Module, loss_fn: PerExampleLoss, batch: Batch) ->
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
         for name, grad in zip(params, grads, strict=True):
             norms[name].append(torch.zeros(()) if grad is None else grad.detach().double().norm().cpu())
+    return {name: torch.stack(values) for name, values in norms.items()}
+
+
+def _autograd_token_unit_norms(
+    params: dict[str, nn.Parameter], loss_fn: PerExampleLoss, batch: Batch
+) -> dict[str, Tensor]:
+    """Per token unit (packed rows): autograd of the unit's tokens' losses on the rows as packed, in engine order.
+
+    A model that lets one document attend to another gives a unit gradients through other units' tokens, which
+    the ghost engine's per-token restriction does not see: this check then fails, naming a parameter.
+    """
+    labels = batch[TOKEN_UNIT_KEY]
+    order = list(dict.fromkeys(labels[labels >= 0].tolist()))  # the engine's unit order (first token, row-major)
+    plain = without_units(batch)
+    norms: dict[str, list[Tensor]] = {name: [] for name in params}
+    with torch.enable_grad():
+        token_losses = loss_fn(plain)  # [B, T]
+        for label in order:
+            loss = (token_losses * (labels == label)).sum()
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, retain_graph=True)
+            for name, grad in zip(params, grads, strict=True):
+                norms[name].append(torch.zeros(()) if grad is None else grad.detach().double().norm().cpu())
     return {name: torch.stack(values) for name, values in norms.items()}
 
 

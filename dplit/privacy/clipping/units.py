@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from dplit.privacy.clipping.norms.factors import DenseFactor, ExampleGradient, Factor, FactoredGradient, GradientUse
+from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, numbered_by_appearance, unit_labels
 
 UNIT_KEY = "privacy_unit"
 """The batch key of the rows' privacy units: a [B] integer tensor, rows of one unit sharing a value."""
@@ -40,24 +41,10 @@ class Units:
 
 def units_of(batch: Mapping[str, Tensor]) -> Units | None:
     """The units of ``batch[UNIT_KEY]`` (``None`` without the key: every row is its own unit)."""
-    labels = batch.get(UNIT_KEY)
+    labels = unit_labels(batch, UNIT_KEY, shape="[B]")
     if labels is None:
         return None
-    if labels.dim() != 1 or labels.is_floating_point():
-        raise ValueError(
-            f"batch[{UNIT_KEY!r}] must be a [B] integer tensor, got {labels.dtype} of {tuple(labels.shape)}"
-        )
-    _, label_index, label_counts = torch.unique(labels, return_inverse=True, return_counts=True)  # sorted labels
-    rows = torch.arange(labels.numel(), device=labels.device)
-    first = torch.full_like(label_counts, labels.numel()).scatter_reduce_(0, label_index, rows, "amin")  # [U]
-    by_appearance = torch.argsort(first)  # labels in order of their first row
-    renumbered = torch.empty_like(by_appearance)
-    renumbered[by_appearance] = torch.arange(by_appearance.numel(), device=labels.device)
-    unit, counts = renumbered[label_index], label_counts[by_appearance]
-    order = torch.argsort(unit, stable=True)  # rows grouped by unit, in batch order within a unit
-    starts = counts.cumsum(0) - counts  # [U]: where each unit's rows begin in ``order``
-    slot = torch.empty_like(unit)
-    slot[order] = rows - starts[unit[order]]
+    unit, slot, counts = numbered_by_appearance(labels)
     return Units(unit=unit, slot=slot, count=int(counts.numel()), most_rows=int(counts.max()) if counts.numel() else 0)
 
 
@@ -85,8 +72,8 @@ def _grouped_factor(factor: Factor, units: Units) -> Factor:
 
 
 def without_units(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The batch the model sees: every field but :data:`UNIT_KEY`."""
-    return {key: value for key, value in batch.items() if key != UNIT_KEY}
+    """The batch the model sees: every field but :data:`UNIT_KEY` and :data:`TOKEN_UNIT_KEY`."""
+    return {key: value for key, value in batch.items() if key not in (UNIT_KEY, TOKEN_UNIT_KEY)}
 
 
 def unit_sums(values: Tensor, units: Units) -> Tensor:
