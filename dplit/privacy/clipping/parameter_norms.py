@@ -68,8 +68,15 @@ def _joined(uses: Sequence[GradientUse]) -> list[GradientUse]:
 CHUNK_ELEMENTS = 2**25
 """Largest float64 copy (elements) of one use's factors made at a time while computing norms (256 MB)."""
 
+CPU_CHUNK_ELEMENTS = 2**19
+"""On a CPU, the largest float64 copy of a use's factors (4 MB) made at a time: still in the cache when its Grams read
+it (at GPT-2's shapes, B = 16, T = 128, a quarter less CPU time than copying the whole batch first;
+``python -m bench.norm_price --parts chunks``). The same float64 arithmetic per example, so the same bound."""
 
-def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm = "exact") -> Tensor:
+
+def parameter_squared_norm(
+    uses: Sequence[GradientUse], *, tied_norm: TiedNorm = "exact", chunk_elements: int | None = None
+) -> Tensor:
     """Per-example squared norm [B] (float64) of one parameter over all its uses, never below the true one.
 
     Computed in float64, a chunk of examples at a time, with the rigorous rounding slack of
@@ -79,12 +86,17 @@ def parameter_squared_norm(uses: Sequence[GradientUse], *, tied_norm: TiedNorm =
         uses: the parameter's uses (at least one), all for the same batch.
         tied_norm: ``"exact"`` includes every cross term ⟨G_k, G_l⟩; ``"bound"`` returns (Σ_k ‖G_k‖)², the
             triangle-inequality bound, which can only over-clip.
+        chunk_elements: the largest float64 copy of the factors made at a time (default: :data:`CHUNK_ELEMENTS`,
+            on a CPU at most :data:`CPU_CHUNK_ELEMENTS`); it changes how many examples share one copy, not the
+            arithmetic of any example.
     """
     if tied_norm == "bound" and len(uses) > 1:
-        return torch.stack([parameter_squared_norm([use]).sqrt() for use in uses]).sum(0).square()
+        parts = [parameter_squared_norm([use], chunk_elements=chunk_elements).sqrt() for use in uses]
+        return torch.stack(parts).sum(0).square()
     size = batch_size(uses[0])
     width = max(_elements_per_example(use) for use in uses)
-    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    limit = default_chunk_elements(uses[0]) if chunk_elements is None else chunk_elements
+    step = max(1, limit // max(1, width))
     squared, bound = [], []
     for start in range(0, size, step):
         chunk = [example_slice(use, start, start + step) for use in uses]  # float64
@@ -134,6 +146,16 @@ def stacked_squared_norms(values: Tensor) -> Tensor:
         squared, bound, terms=arithmetic_terms(use), positions=summed_positions(use), sum_dtype=sum_dtype(use)
     )
     return norm.square()
+
+
+def default_chunk_elements(use: GradientUse) -> int:
+    """The default float64 chunk of ``use``'s device: cache-sized on a CPU, :data:`CHUNK_ELEMENTS` elsewhere."""
+    if isinstance(use, ExampleGradient):
+        device = use.values.device
+    else:
+        factor = use.left
+        device = factor.values.device if isinstance(factor, DenseFactor) else factor.indices.device
+    return min(CHUNK_ELEMENTS, CPU_CHUNK_ELEMENTS) if device.type == "cpu" else CHUNK_ELEMENTS
 
 
 def _elements_per_example(use: GradientUse) -> int:

@@ -24,8 +24,11 @@ from dplit.privacy.clipping.norms import (
 )
 from dplit.privacy.clipping.norms.factors import prefers_materialising
 from dplit.privacy.clipping.parameter_norms import (
+    CHUNK_ELEMENTS,
+    CPU_CHUNK_ELEMENTS,
     ParameterOwner,
     ParameterUseMonitor,
+    default_chunk_elements,
     materialised_parameter_squared_norm,
     parameter_squared_norm,
     stacked_squared_norms,
@@ -127,6 +130,23 @@ def test_cross_terms_of_mixed_uses_are_exact_and_bound_is_above() -> None:
     assert close(bound, per_use.square())
     assert (bound >= exact).all()
     assert close(parameter_squared_norm(uses[:1]), squared_norm(uses[0]))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["one-use", "tied"])
+def test_float64_chunks_change_no_norm_and_the_cpu_default_chunks_wide_uses(tied: bool) -> None:
+    torch.manual_seed(4)
+    wide = FactoredGradient(random_factor("dense", 6, 9, 40), random_factor("dense", 6, 9, 30))
+    uses: list[GradientUse] = [wide]
+    if tied:
+        uses.append(FactoredGradient(random_factor("index", 6, 5, 40), random_factor("dense", 6, 5, 30)))
+    total = torch.stack([materialise(use) for use in uses]).sum(0)  # [B, 40, 30], the brute-force gradients
+    whole = parameter_squared_norm(uses, chunk_elements=2**25)  # one chunk of all six examples
+    assert (whole >= total.flatten(1).pow(2).sum(1)).all() and close(whole, total.flatten(1).pow(2).sum(1))
+    for elements in (1, 700, 1400):  # one, one, and two examples per float64 copy
+        assert torch.equal(parameter_squared_norm(uses, chunk_elements=elements), whole)
+    assert (
+        default_chunk_elements(wide) == CPU_CHUNK_ELEMENTS < CHUNK_ELEMENTS
+    )  # the default on a CPU: cache-sized copies
 
 
 def test_ghost_or_materialise_by_cost() -> None:
