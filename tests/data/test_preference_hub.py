@@ -15,6 +15,7 @@ from trl.data_utils import maybe_apply_chat_template
 from dplit.data.preference import PreferenceDataModule
 from dplit.data.tokenizer import load_tokenizer
 from tests.data.test_conversational_preference import TEMPLATE, conversation
+from tests.helpers.commands import CONFIGS
 
 PAIRS = [
     {"prompt": "Review:", "chosen": "It was great.", "rejected": "It was bad.", "who": "ann"},
@@ -101,3 +102,18 @@ def test_a_missing_split_or_an_unreachable_hub_names_data_dataset(tmp_path: Path
         ValueError, match=r"^data.dataset='someone/prefs' could not be loaded from the Hugging Face hub"
     ):
         module("someone/prefs", tiny_bpe_dir).dataset("train")
+
+
+def test_dplit_dpo_fit_trains_privately_on_a_hub_dataset(tmp_path: Path, tiny_bpe_dir: Path) -> None:
+    from dplit.cli.lightning_cli import run_dpo_cli
+
+    pairs = [{"prompt": f"Review {i}:", "chosen": f"A warm film {i}.", "rejected": "A dull mess."} for i in range(12)]
+    folder = hub_folder(tmp_path / "prefs", {"train": pairs, "test": pairs[:4]})
+    cli = run_dpo_cli([
+        "fit", "--config", str(CONFIGS / "dpo_quickstart.yaml"), "--data.dataset", str(folder),
+        "--data.tokenizer", str(tiny_bpe_dir), "--data.max_length", "32", "--model.config.n_positions", "32",
+        "--data.batch_size", "4", "--trainer.max_steps", "1", "--trainer.val_check_interval", "1",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+    ])  # fmt: skip
+    assert cli.trainer.strategy.accountant.steps == 1 and cli.trainer.strategy.dpsgd.dataset_size == 12
+    assert len(cli.datamodule.dataset("validation")) == 4 and "val/reward_accuracy" in cli.trainer.callback_metrics
