@@ -109,8 +109,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     ):
         (out / f"{name}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (out / "judge.json").write_text(json.dumps(judge.to_json()))
-    facts = {"command": "python -m bench.dpo_sentiment build " + " ".join(sys.argv[2:]),
-             "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
+    facts = {"command": "python -m bench.dpo_sentiment " + " ".join(args.argv),
+             "settings": {k: str(v) for k, v in vars(args).items() if k not in ("func", "argv")},
              "judge_train_rows": len(kept), "judge_dev_accuracy": judge.accuracy(dev, dev_labels),
              "train_prompts": len(train_prompts), "train_pairs": len(train_pairs),
              "eval_prompts": len(eval_prompts), "val_pairs": len(val_pairs)}  # fmt: skip
@@ -141,6 +141,7 @@ def child_main(spec: dict[str, Any]) -> None:
     row = {"status": "ok", "reward_accuracy": float(validated["val/reward_accuracy"]),
            "val_loss": float(validated["val/loss"]), "steps": int(trainer.global_step),
            "epsilon_spent": accountant.epsilon() if accountant is not None and trainer.global_step else None,
+           "delta": accountant.delta if accountant is not None else None,
            **samples}  # fmt: skip
     Path(spec["result"]).write_text(json.dumps(row, indent=1))
 
@@ -268,10 +269,12 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     if args.render:
         return render(out, table)
-    settings = study_settings(args)
-    settings.pop("func", None)
+    settings = {k: v for k, v in study_settings(args).items() if k not in ("func", "argv")}
     previous, kept = earlier_sitting(out, settings)
-    build_facts = json.loads((Path(args.data) / "build.json").read_text())
+    built = Path(args.data) / "build.json"
+    if not built.is_file():
+        raise SystemExit(f"{built}: no such file; run `python -m bench.dpo_sentiment build` first (or set --data)")
+    build_facts = json.loads(built.read_text())
     git, machine = git_info("dplit", "configs", "bench"), machine_info(args.threads)
     runs = planned_runs(args.seeds, arms(args.epsilons), {r["name"] for r in kept}, {"git": git["describe"]})
     if args.dry_run:
@@ -279,7 +282,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             print("dplit dpo " + " ".join(dplit_args(args, run, Path(args.logs) / run["name"])))
         return {}
     install_stop_handlers()
-    results = {"command": "python -m bench.dpo_sentiment study", "settings": settings, "machine": machine,
+    results = {"command": "python -m bench.dpo_sentiment " + " ".join(args.argv), "settings": settings, "machine": machine,
                "git": git, "epsilons": args.epsilons, "build": build_facts, "runs": kept}  # fmt: skip
     for run in runs:
         row = run_one(args, run)
@@ -339,6 +342,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """``python -m bench.dpo_sentiment build|study ...``."""
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

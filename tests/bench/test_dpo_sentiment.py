@@ -54,8 +54,9 @@ def tiny_model(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow  # three dplit processes and a build: about two minutes on 2 cores
 def test_the_data_build_and_a_smoke_study_run_end_to_end_and_resume(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tests.conftest import _shared_data
 
@@ -85,5 +86,11 @@ def test_the_data_build_and_a_smoke_study_run_end_to_end_and_resume(
     table = (tmp_path / "results" / "table.md").read_text()
     assert "| dp_eps8 | 8.00 | 1 |" in table and "judge accuracy on SST-2 dev" in table
     assert dpo_sentiment.main(study)["runs"] == results["runs"]  # resumed: every run recorded, none rerun
+    capsys.readouterr()
+    dpo_sentiment.main([*study, "--dry-run", "--seeds", "0", "1"])  # a new seed: only its runs are planned
+    planned = capsys.readouterr().out.splitlines()
+    assert len(planned) == 3 and all("--seed_everything 1 " in line for line in planned)
+    with pytest.raises(SystemExit, match="run `python -m bench.dpo_sentiment build` first"):
+        dpo_sentiment.main([*study, "--data", str(tmp_path / "nothing"), "--out", str(tmp_path / "other")])
     with pytest.raises(SystemExit, match="other settings"):
         dpo_sentiment.main([*study[:-4], "--lr", "0.5", *study[-4:]])
