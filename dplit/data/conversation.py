@@ -21,7 +21,7 @@ from dplit.data.files import Record, refusal
 CONVERSATION_COLUMNS = ("prompt", "chosen", "rejected")
 
 
-def render_conversations(path: Path, records: list[Record], tokenizer: PreTrainedTokenizerBase) -> list[Record]:
+def render_conversations(path: Path | str, records: list[Record], tokenizer: PreTrainedTokenizerBase) -> list[Record]:
     """The records, each conversational one (any of its three columns a list) rendered to text; others as they are.
 
     Raises:
@@ -74,7 +74,7 @@ def render_pair(
     return _without_added_bos(prompt_text, tokenizer), answers[0], answers[1]
 
 
-def _messages(path: Path, column: str, value: Any, where: str) -> list[dict[str, str]]:
+def _messages(path: Path | str, column: str, value: Any, where: str) -> list[dict[str, str]]:
     """A column's list of ``{"role", "content"}`` messages (an empty prompt is allowed; answers are checked later)."""
     if not isinstance(value, list):
         kind = "missing" if value is None else "text"

@@ -239,7 +239,7 @@ class CorpusDataModule(DPDataModule):
     """Rows of the built-in set or of local files, each tokenised with an end-of-text token (text and pairs).
 
     Args:
-        dataset: ``"builtin"`` (the command's offline set, with its own tokenizer) or, for ``dplit lm``, a Hugging
+        dataset: ``"builtin"`` (the command's offline set, with its own tokenizer) or a Hugging
             Face hub dataset name (loaded with ``datasets.load_dataset``); ignored with local files.
         train_file: a local ``.jsonl`` / ``.json`` / ``.csv`` file (or for plain text ``.txt``, one text per line).
         val_file: the local validation file (required with ``train_file``).

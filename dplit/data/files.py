@@ -120,7 +120,7 @@ def read_rows(
     return replace(rows, users=[record_user(path, record, user_column) for record in records])
 
 
-def record_user(path: Path, record: Record, column: str) -> str:
+def record_user(path: Path | str, record: Record, column: str) -> str:
     """A record's user id (a string or an integer), refusing a missing or blank one (never printing an id)."""
     where = f"{record.unit} {record.number}"
     value = record.columns.get(column)
@@ -276,7 +276,7 @@ _READERS: dict[str, Reader] = {
 }
 
 
-def records_to_rows(path: Path, records: list[Record], columns: tuple[str, ...], *, flag: str = "") -> TextRows:
+def records_to_rows(path: Path | str, records: list[Record], columns: tuple[str, ...], *, flag: str = "") -> TextRows:
     """Check that every record has the ``columns``, as strings (``null``: empty), and gather them.
 
     Args:

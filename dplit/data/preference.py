@@ -22,8 +22,9 @@ from typing_extensions import override
 from dplit.data.batches import PadCollator, UnitItems, pad_token_rows
 from dplit.data.conversation import render_conversations
 from dplit.data.datamodule import BUILTIN, CorpusDataModule
-from dplit.data.files import read_records, record_user, records_to_rows, refusal
+from dplit.data.files import Record, read_records, record_user, records_to_rows, refusal
 from dplit.data.preference_set import PreferenceRow, make_preference_split
+from dplit.data.sources import load_hub_dataset
 from dplit.privacy.clipping.units import UNIT_KEY
 from dplit.privacy.training_units import PAIR_UNIT
 from dplit.tasks.preference import CHOSEN_KEY
@@ -89,10 +90,11 @@ class PreferenceRows:
 
 
 class PreferenceDataModule(CorpusDataModule):
-    """Preference pairs for private DPO (``dplit dpo``): the built-in set or local files, a pair an item.
+    """Preference pairs for private DPO (``dplit dpo``): the built-in set, local files or a hub dataset, a pair an item.
 
     A local file is a ``.jsonl`` / ``.json`` / ``.csv`` file with ``prompt``, ``chosen`` and ``rejected`` columns
-    (the names TRL and hub preference sets use); ``batch_size`` counts pairs (each pair is two rows), and
+    (the names TRL and hub preference sets use); a hub dataset (``data.dataset``, :func:`read_hub_pairs`) has the
+    same columns; ``batch_size`` counts pairs (each pair is two rows), and
     ``max_length`` bounds each row (prompt and answer, end-of-text token included). A prompt that leaves no room
     for an answer is always refused.
 
@@ -119,14 +121,6 @@ class PreferenceDataModule(CorpusDataModule):
         super().__init__(privacy_unit=privacy_unit, **kwargs)
 
     @override
-    def check_options(self) -> None:
-        """Refuse a hub dataset (``dplit dpo`` reads the built-in set or local files)."""
-        hp = self.hparams
-        if hp.dataset != BUILTIN and hp.train_file is None:
-            raise ValueError(f"data.dataset={hp.dataset!r}: dplit dpo reads 'builtin' or local files (data.train_file)")
-        super().check_options()
-
-    @override
     def test_dataloader(self) -> DataLoader:
         """The validation pairs (``dplit dpo test``)."""
         return self.val_dataloader()
@@ -142,6 +136,10 @@ class PreferenceDataModule(CorpusDataModule):
         if file is not None:
             return read_preference_file(
                 file, self.limit(split), user_column=self.user_column_of(split), tokenizer=self.tokenizer
+            )
+        if hp.dataset != BUILTIN:
+            return read_hub_pairs(
+                hp.dataset, split, self.limit(split), user_column=self.user_column_of(split), tokenizer=self.tokenizer
             )
         rows = make_preference_split(
             split, self.builtin_size(split, hp.builtin_train_size, hp.builtin_val_size), hp.seed
@@ -166,13 +164,57 @@ def read_preference_file(
     """
     if path.suffix.lower() == ".txt":
         raise refusal(path, "a .txt file has no prompt, chosen and rejected columns; use a .jsonl, .json or .csv file")
-    records = read_records(path, COLUMNS, limit)
-    records = render_conversations(path, records, tokenizer) if tokenizer is not None else records
-    first = records_to_rows(path, records, COLUMNS)  # checks all three columns; gathers prompt and chosen
-    rejected = records_to_rows(path, records, ("rejected",)).texts or []
+    return _records_to_pairs(path, read_records(path, COLUMNS, limit), user_column, tokenizer)
+
+
+def read_hub_pairs(
+    name: str,
+    split: str,
+    limit: int | None = None,
+    *,
+    user_column: str | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> PreferenceRows:
+    """The ``prompt``, ``chosen`` and ``rejected`` columns of a hub dataset's split (``data.dataset``).
+
+    The dataset is loaded with ``datasets.load_dataset(name)`` (:func:`~dplit.data.sources.load_hub_dataset`), so
+    ``name`` is a hub name or anything ``load_dataset`` reads (a local dataset folder). Its rows then go through the
+    same checks as a local file's rows, a row named ``row 3`` of ``name [split]``. Preference sets on the hub often
+    ship ``train`` and ``test`` only: the ``validation`` split is read from ``test`` when there is no ``validation``.
+
+    Raises:
+        ValueError: one line naming ``data.dataset`` when the dataset cannot be loaded or lacks the split, else the
+            refusals of a local file (a missing column, a value that is neither text nor a list of messages, a
+            missing user id), naming the dataset, the split and the row.
+    """
+    splits = load_hub_dataset(name, "data.dataset")
+    chosen = split if split in splits or split != "validation" else "test"
+    if chosen not in splits:
+        raise ValueError(f"data.dataset={name!r} has no {split!r} split (it has {sorted(splits)})")
+    table = splits[chosen]
+    if limit is not None:
+        table = table.select(range(min(limit, len(table))))
+    source = f"{name} [{chosen}]"
+    if user_column is not None and user_column not in table.column_names:
+        raise refusal(
+            source, f"missing column(s) [{user_column!r}]; the dataset has {table.column_names} (data.user_column)"
+        )
+    records = [Record(number, dict(row), unit="row") for number, row in enumerate(table, start=1)]
+    if not records:
+        raise ValueError(f"{source} has no rows (data.dataset)")
+    return _records_to_pairs(source, records, user_column, tokenizer)
+
+
+def _records_to_pairs(
+    source: Path | str, records: list[Record], user_column: str | None, tokenizer: PreTrainedTokenizerBase | None
+) -> PreferenceRows:
+    """The pairs of a file's or a hub split's records: conversations rendered, the three columns checked as text."""
+    records = render_conversations(source, records, tokenizer) if tokenizer is not None else records
+    first = records_to_rows(source, records, COLUMNS)  # checks all three columns; gathers prompt and chosen
+    rejected = records_to_rows(source, records, ("rejected",)).texts or []
     rows = [PreferenceRow(*values) for values in zip(first.prompts or [], first.responses or [], rejected, strict=True)]
-    users = [record_user(path, record, user_column) for record in records] if user_column is not None else None
-    return PreferenceRows(rows, str(path), first.lines, users)
+    users = [record_user(source, record, user_column) for record in records] if user_column is not None else None
+    return PreferenceRows(rows, str(source), first.lines, users)
 
 
 def encode_pairs(

@@ -65,16 +65,22 @@ def load_hub_dataset(name: str, flag: str, *args: Any, **options: Any) -> Any:
     """``datasets.load_dataset(name, *args, **options)``, refusing a dataset the hub cannot give in one line.
 
     Raises:
-        ValueError: naming ``flag`` when the hub is unreachable (offline) and the dataset is not cached, or the
-            hub has no such dataset (or it is private).
+        ValueError: naming ``flag`` when the hub is unreachable (offline) and the dataset is not cached, the
+            hub has no such dataset (or it is private), or its files cannot be built into one table per split.
     """
     import datasets
-    from datasets.exceptions import DatasetNotFoundError
+    from datasets.exceptions import DatasetGenerationError, DatasetNotFoundError
 
     try:
         return datasets.load_dataset(name, *args, **options)
     except (ConnectionError, DatasetNotFoundError) as error:
         raise ValueError(" ".join(unloadable_message(name, flag, error, what="dataset").split())) from None
+    except DatasetGenerationError as error:  # the cause's text may quote rows: only its type is named
+        cause = type(error.__cause__).__name__ if error.__cause__ is not None else "no cause given"
+        raise ValueError(
+            f"{flag}={name!r}: the datasets library could not build this dataset from its files ({cause}; "
+            "do all of its splits have the same columns?)"
+        ) from None
 
 
 def non_empty(split: TextSplit) -> TextSplit:

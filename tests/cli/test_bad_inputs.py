@@ -76,6 +76,24 @@ def dpo_files(name: str, train: str, *extra: str) -> Setup:
     return setup
 
 
+def dpo_hub(splits: dict[str, str], *extra: str) -> Setup:
+    """``dplit dpo fit`` on a hub dataset given as a local dataset folder (scratch/prefs, one JSONL file a split)."""
+
+    def setup(scratch: Path, tokenizer: Path, run: Path) -> list[str]:
+        (scratch / "prefs").mkdir()
+        for split, text in splits.items():
+            (scratch / "prefs" / f"{split}.jsonl").write_text(text)
+        hub = ["--data.dataset", str(scratch / "prefs"), "--data.tokenizer", str(tokenizer)]
+        return ["dpo", "fit", *dpo_args(run), *hub, *extra]
+
+    return setup
+
+
+def dpo_hub_dataset(name: str) -> Setup:
+    """``dplit dpo fit`` on the hub dataset ``name`` (offline: see :data:`ROW_ENVIRONMENTS`), the tiny BPE tokenizer."""
+    return lambda scratch, tokenizer, run: ["dpo", "fit", *dpo_args(run), "--data.dataset", name, "--data.tokenizer", str(tokenizer)]
+
+
 def auditing(*extra: str) -> Setup:
     """``dplit audit`` on the quickstart config, plus ``extra``."""
     return lambda scratch, tokenizer, run: ["audit", *quickstart_args(run), *extra]
@@ -391,6 +409,12 @@ CATALOGUE: list[tuple[str, Setup, str]] = [
     ("dpo-empty-rejected", dpo_files("train.csv", 'prompt,chosen,rejected\nReview:,It was great.,\n'), r"^.*train\.csv, row 1 \(line 2\): empty rejected answer$"),
     ("dpo-chosen-equals-rejected", dpo_files("train.jsonl", '{"prompt": "Review:", "chosen": "It was fine.", "rejected": "It was fine."}\n'), r"^.*train\.jsonl, row 1: the chosen and rejected answers are the same: the pair prefers nothing$"),
     ("dpo-prompt-too-long", dpo_files("train.jsonl", '{"prompt": "' + "the movie was great and " * 4 + '", "chosen": "Yes.", "rejected": "No."}\n'), r"^.*train\.jsonl, row 1: the prompt is \d+ tokens, leaving no room for the answers within data\.max_length=16$"),
+    ("dpo-hub-dataset-offline", dpo_hub_dataset("someuser/private-prefs"), r"^data\.dataset='someuser/private-prefs' could not be loaded from the Hugging Face hub \(offline, or no such dataset\)"),
+    ("dpo-hub-missing-column", dpo_hub(dict.fromkeys(("train", "test"), '{"prompt": "Review:", "chosen": "It was great."}\n')), r"^.*prefs \[train\]: missing column\(s\) \['rejected'\]; the file has \['prompt', 'chosen'\]$"),
+    ("dpo-hub-empty-rejected", dpo_hub({"train": GOOD_PAIR + '{"prompt": "Review:", "chosen": "It was great.", "rejected": ""}\n', "test": GOOD_PAIR}), r"^.*prefs \[train\], row 2: empty rejected answer$"),
+    ("dpo-hub-splits-differ", dpo_hub({"train": '{"prompt": "Review:", "chosen": "It was great."}\n', "test": GOOD_PAIR}), r"^data\.dataset='.*prefs': the datasets library could not build this dataset from its files \(\w+; do all of its splits have the same columns\?\)$"),
+    ("dpo-hub-no-validation-split", dpo_hub({"train": GOOD_PAIR}), r"^data\.dataset='.*prefs' has no 'validation' split \(it has \['train'\]\)$"),
+    ("dpo-hub-user-column-missing", dpo_hub({"train": GOOD_PAIR, "test": GOOD_PAIR}, "--data.privacy_unit", "user", "--data.user_column", "person"), r"^.*prefs \[train\]: missing column\(s\) \['person'\]; the dataset has \['prompt', 'chosen', 'rejected'\] \(data\.user_column\)$"),
     ("dpo-mistyped-subcommand", lambda scratch, tokenizer, run: ["dpo", "fti", *dpo_args(run)], r"^invalid choice: 'fti' \(did you mean 'dplit dpo fit'\?\)"),
     ("dpo-beta-zero", dpo_flags("--model.beta", "0"), r"^model\.beta=0(\.0)?: must be a finite number > 0"),
     ("dpo-per-example-clipping", dpo_flags("--trainer.strategy.init_args.clipping", "per_example"), r"^DPStrategy\.clipping=per_example traces one row at a time, but a preference pair's loss needs both"),
@@ -437,7 +461,8 @@ def offline(scratch: Path) -> dict[str, str]:
     return {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
-ROW_ENVIRONMENTS: dict[str, Callable[[Path], dict[str, str]]] = {"peft-not-installed": without_peft, "lm-hub-dataset-offline": offline}
+ROW_ENVIRONMENTS: dict[str, Callable[[Path], dict[str, str]]] = {"peft-not-installed": without_peft, "lm-hub-dataset-offline": offline,
+                                                                 "dpo-hub-dataset-offline": offline}
 """Rows that need more than the user's environment, by id: the variables they add (given the scratch folder)."""
 
 EXECUTABLE_ONLY = {
@@ -445,6 +470,7 @@ EXECUTABLE_ONLY = {
     "peft-not-installed",
     # huggingface_hub and datasets read HF_HUB_OFFLINE / HF_DATASETS_OFFLINE once, when they are imported
     "lm-hub-dataset-offline",
+    "dpo-hub-dataset-offline",
     # starts a torch.distributed process group (rendezvous on the MASTER_ADDR/MASTER_PORT the process was started
     # with, which the line names): process-level state that in-process DDP tests of this run would share
     "nccl-backend-on-cpu",
