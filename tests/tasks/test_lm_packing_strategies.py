@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from dplit.privacy.ledger import LEDGER_FILE, history_steps
-from tests.helpers.commands import checkpoint_of, lm_args, lora_on
-from tests.helpers.executable import run_dplit, run_dplit_in_process
+from tests.helpers.commands import lm_args, lora_on
+from tests.helpers.executable import run_dplit, run_dplit_in_process, user_environment
+from tests.helpers.paths import REPOSITORY
 
 pytestmark = pytest.mark.slow
 
@@ -32,38 +33,46 @@ TWO_PROCESSES = [
 PACKED = ["--data.packing", "true"]
 
 
-def trained_weights(run: Path, *extra: str, in_process: bool = False) -> dict[str, torch.Tensor]:
-    """The weights after one σ = 0 step of the LM quickstart with ``extra`` (a run in ``run``)."""
-    done = (run_dplit_in_process if in_process else run_dplit)("lm", "fit", *lm_args(run, *EXACT, *extra))
+def released_gradient(run: Path, *extra: str, in_process: bool = False) -> dict[str, torch.Tensor]:
+    """The first released gradient of a σ = 0 run of the LM quickstart with ``extra`` (one step, in ``run``)."""
+    run.mkdir(parents=True)
+    saver = json.dumps({"class_path": "tests.helpers.released_gradients.FirstReleasedGradient",
+                        "init_args": {"path": str(run / "gradient.pt")}})  # fmt: skip
+    args = lm_args(run, *EXACT, *extra, "--trainer.callbacks+", saver)
+    environment = {**user_environment(), "PYTHONPATH": str(REPOSITORY)}
+    done = (run_dplit_in_process if in_process else run_dplit)("lm", "fit", *args, environment=environment)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     ledger = json.loads(next(run.rglob(LEDGER_FILE)).read_text())
     assert history_steps(ledger["accountant"]["history"]) == 1
     assert ("packing" in ledger) == ("true" in extra)
-    return torch.load(checkpoint_of(run), weights_only=True)["state_dict"]
+    return torch.load(run / "gradient.pt", weights_only=True)
 
 
-def assert_same_weights(packed: dict[str, torch.Tensor], padded: dict[str, torch.Tensor]) -> None:
-    """Equal weights to float32 tolerance (one AdamW step of lr 0.01 from the same initial weights)."""
+def assert_same_update(packed: dict[str, torch.Tensor], padded: dict[str, torch.Tensor]) -> None:
+    """Equal released gradients to float32 tolerance (each within 1e-5 of the largest gradient entry), not all zero."""
     assert packed.keys() == padded.keys()
-    for name, value in padded.items():
-        torch.testing.assert_close(packed[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    scale = max(float(grad.abs().max()) for grad in padded.values())
+    assert scale > 0
+    for name, grad in padded.items():
+        torch.testing.assert_close(packed[name], grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
 
 
-@pytest.mark.parametrize("strategy", ["DPStrategy", "ShardedDPStrategy"])
-def test_a_two_process_packed_run_makes_the_padded_runs_first_update(tmp_path: Path, strategy: str) -> None:
-    """Two gloo processes, each packing its own sampled documents: the padded DPStrategy run's first update."""
-    chosen = ["--trainer.strategy.class_path", f"dplit.strategy.{strategy}"]
-    padded = trained_weights(tmp_path / "padded", *TWO_PROCESSES)
-    packed = trained_weights(tmp_path / "packed", *TWO_PROCESSES, *chosen, *PACKED)
-    assert_same_weights(packed, padded)
+def test_two_process_packed_runs_make_the_padded_runs_first_update(tmp_path: Path) -> None:
+    """Two gloo processes, each packing its own sampled documents, under DPStrategy and ShardedDPStrategy (FSDP2
+    shards, the packed forward gathering them): the padded DPStrategy run's first update."""
+    padded = released_gradient(tmp_path / "padded", *TWO_PROCESSES)
+    for strategy in ("DPStrategy", "ShardedDPStrategy"):
+        chosen = ["--trainer.strategy.class_path", f"dplit.strategy.{strategy}"]
+        packed = released_gradient(tmp_path / strategy, *TWO_PROCESSES, *chosen, *PACKED)
+        assert_same_update(packed, padded)
 
 
 def test_a_packed_lora_run_makes_the_padded_runs_first_update(tmp_path: Path) -> None:
-    """LoRA on the attention projections (base frozen): packed and padded reach the same adapter weights."""
+    """LoRA on the attention projections (base frozen): packed and padded release the same adapter gradients."""
     lora = ["--model.peft", lora_on("c_attn")]
-    padded = trained_weights(tmp_path / "padded", *lora, in_process=True)
-    packed = trained_weights(tmp_path / "packed", *lora, *PACKED, in_process=True)
-    assert_same_weights(packed, padded)
-    other = trained_weights(tmp_path / "other", *lora, *PACKED, "--trainer.strategy.init_args.seed", "1", in_process=True)
+    padded = released_gradient(tmp_path / "padded", *lora, in_process=True)
+    packed = released_gradient(tmp_path / "packed", *lora, *PACKED, in_process=True)
+    assert_same_update(packed, padded)
+    other = released_gradient(tmp_path / "other", *lora, *PACKED, "--trainer.strategy.init_args.seed", "1", in_process=True)
     with pytest.raises(AssertionError):  # other documents sampled: the comparison tells a different update apart
-        assert_same_weights(other, padded)
+        assert_same_update(other, padded)
