@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 

@@ -47,6 +47,8 @@ def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path) -> N
         assert part["status"] == "skipped" and part["exit_code"] is None, part
         assert "CUDA is not available" in part["reason"], part
         assert part["command"], part  # what it would have run
+    packing = str(next(part["command"] for part in summary["parts"] if part["name"] == "packing"))
+    assert all(word in packing for word in ("gpt2", "smollm2", "512", "1024")), packing  # issue 54's rows
     machine = summary["machine"]
     assert machine["torch"] and machine["cuda_available"] is False
     table = (tmp_path / "out" / "summary.md").read_text()
@@ -65,13 +67,23 @@ def test_a_cpu_run_never_replaces_a_gpu_runs_summary_in_the_default_folder(tmp_p
     committed = script_dir / "results" / "gpu"
     committed.mkdir(parents=True)
     (committed / "summary.json").write_text(json.dumps({"cuda_available": True}, indent=1))
-    environment = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
-                   "DPLIT_GPU_WORK": str(tmp_path / "work")}
+    environment = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(ROOT),
+        "DPLIT_GPU_WORK": str(tmp_path / "work"),
+    }
     environment.pop("DPLIT_GPU_OUT", None)
-    done = subprocess.run(["bash", str(script_dir / "gpu.sh")], cwd=tmp_path, env=environment, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        ["bash", str(script_dir / "gpu.sh")],
+        cwd=tmp_path,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((committed / "summary.json").read_text()) == {"cuda_available": True}
     assert json.loads((tmp_path / "work" / "cpu-check" / "summary.json").read_text())["cuda_available"] is False
-
-

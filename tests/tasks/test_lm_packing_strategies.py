@@ -58,8 +58,10 @@ def assert_same_update(packed: dict[str, torch.Tensor], padded: dict[str, torch.
 
 
 def test_two_process_packed_runs_make_the_padded_runs_first_update(tmp_path: Path) -> None:
-    """Two gloo processes, each packing its own sampled documents, under DPStrategy and ShardedDPStrategy (FSDP2
-    shards, the packed forward gathering them): the padded DPStrategy run's first update."""
+    """Two gloo processes, each packing its own sampled documents: the padded DPStrategy run's first update.
+
+    Under DPStrategy and under ShardedDPStrategy (FSDP2 shards, the packed forward gathering them).
+    """
     padded = released_gradient(tmp_path / "padded", *TWO_PROCESSES)
     for strategy in ("DPStrategy", "ShardedDPStrategy"):
         chosen = ["--trainer.strategy.class_path", f"dplit.strategy.{strategy}"]
@@ -73,6 +75,8 @@ def test_a_packed_lora_run_makes_the_padded_runs_first_update(tmp_path: Path) ->
     padded = released_gradient(tmp_path / "padded", *lora, in_process=True)
     packed = released_gradient(tmp_path / "packed", *lora, *PACKED, in_process=True)
     assert_same_update(packed, padded)
-    other = released_gradient(tmp_path / "other", *lora, *PACKED, "--trainer.strategy.init_args.seed", "1", in_process=True)
+    other = released_gradient(
+        tmp_path / "other", *lora, *PACKED, "--trainer.strategy.init_args.seed", "1", in_process=True
+    )
     with pytest.raises(AssertionError):  # other documents sampled: the comparison tells a different update apart
         assert_same_update(other, padded)
