@@ -67,23 +67,13 @@ def test_a_cpu_run_never_replaces_a_gpu_runs_summary_in_the_default_folder(tmp_p
     committed = script_dir / "results" / "gpu"
     committed.mkdir(parents=True)
     (committed / "summary.json").write_text(json.dumps({"cuda_available": True}, indent=1))
-    environment = {
-        **os.environ,
-        "PYTHON": sys.executable,
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": str(ROOT),
-        "DPLIT_GPU_WORK": str(tmp_path / "work"),
-    }
+    environment = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT),
+                   "DPLIT_GPU_WORK": str(tmp_path / "work")}
     environment.pop("DPLIT_GPU_OUT", None)
-    done = subprocess.run(
-        ["bash", str(script_dir / "gpu.sh")],
-        cwd=tmp_path,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = subprocess.run(["bash", str(script_dir / "gpu.sh")], cwd=tmp_path, env=environment, capture_output=True,
+                          text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads((committed / "summary.json").read_text()) == {"cuda_available": True}
     assert json.loads((tmp_path / "work" / "cpu-check" / "summary.json").read_text())["cuda_available"] is False
+
+
