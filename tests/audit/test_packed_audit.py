@@ -22,7 +22,8 @@ def audit_args(run: Path, mode: str, *extra: str) -> list[str]:
     """A short packed ``dplit lm audit`` of the LM quickstart in ``run``: one epoch, 100 canaries."""
     return [
         *lm_args(run, "--data.packing", "true", "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0"),
-        "--model.sample_prompts", "[]", "--audit.mode", mode, "--audit.canaries", "100", "--audit.seed", "0", *extra,
+        "--model.sample_prompts", "[]", "--audit.mode", mode, "--audit.canaries", "100", "--audit.seed", "0",
+        "--trainer.strategy.init_args.seed", "0", *extra,
     ]  # fmt: skip
 
 

