@@ -121,7 +121,8 @@ def measure(args: argparse.Namespace, name: str, length: int, mix: str) -> dict[
     """
     device = torch.device(args.device)
     torch.manual_seed(0)
-    config = {**MODELS[name], "max_position_embeddings": length, "n_positions": length}
+    limit = "n_positions" if family(name) == "gpt2" else "max_position_embeddings"  # each family's own key
+    config = {**MODELS[name], limit: length}
     model = CausalLanguageModel(config=config, vocab_size=VOCAB_SIZES[family(name)], attn_implementation="sdpa")
     model = model.to(device).train()
     lengths = document_lengths(mix, args.documents, length)
