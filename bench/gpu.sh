@@ -12,8 +12,9 @@
 #                  size 2 (into fsdp_smoke/world2/)                                                    (40 s)
 #   memory_smoke   bench.memory at SmolLM2-135M's shape on CUDA, B=8, T=512, bf16 autocast, bf16 4-bit compute:
 #                  DP and non-private LoRA and QLoRA (NF4), each with and without checkpointing      (40 s)
-#   packing        bench.packing, GPT-2 size, rows of 512 tokens, 256 documents: packed vs padded DP tokens/s (ghost)
-#                  and the packed non-private step, on SST-2 sentences and a log-normal mix (issue 54)  (60 s)
+#   packing        bench.packing, GPT-2 size and SmolLM2-135M's shape, rows of 512 and 1024 tokens, 128 documents:
+#                  packed vs padded DP tokens/s (ghost) and the packed non-private step, on SST-2 sentences and a
+#                  log-normal mix (issue 54); its table is rewritten after each row (a timeout keeps those)  (60 s)
 # Each part runs under `timeout` with its own budget, capped by what is left of DPLIT_GPU_TOTAL_S (585 s).
 # Writes bench/results/gpu/ (or $DPLIT_GPU_OUT): summary.md and summary.json (each part's status, exit code,
 # wall time and budget, the machine: nvidia-smi, torch, CUDA), machine.json, each part's console log
@@ -322,8 +323,8 @@ part() {  # name: sets CMD to the part's command
     fsdp_smoke) fsdp_command ;;
     memory_smoke) CMD=("$PYTHON" -m bench.memory --device cuda --size smollm2 --batch-size 8 --seq-len 512 --warmup 1
                        --steps 2 --out "$OUT/memory_smoke") ;;
-    packing) CMD=("$PYTHON" -m bench.packing --device cuda --model gpt2 --row 512 --documents 256 --micro 32
-                  --repeats 2 --out "$OUT/packing") ;;
+    packing) CMD=("$PYTHON" -m bench.packing --device cuda --model gpt2 smollm2 --row 512 1024 --documents 128
+                  --micro 32 --repeats 1 --out "$OUT/packing") ;;
     tying) CMD=("$PYTHON" -m bench.tying --full --seeds 0 --epsilons 8 --arms dp_tied dp_untied
                 --train-examples 4096 --epochs 1 --batch-size 512 --physical-batch-size 128 --accelerator gpu
                 --precision bf16-mixed --timeout 75 --data-root "$DATA" --out "$OUT/tying" --logs "$WORK/tying/runs") ;;

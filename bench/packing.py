@@ -3,8 +3,7 @@
 Run (repository root; CPU smoke ~1 min, a GPU row with ``--device cuda --model gpt2``)::
 
     python -m bench.packing --model tiny --row 128 --documents 64          # CPU smoke
-    python -m bench.packing --device cuda --model gpt2 --row 512 --documents 256
-    python -m bench.packing --device cuda --model smollm2 --row 1024 --documents 256
+    python -m bench.packing --device cuda --model gpt2 smollm2 --row 512 1024 --documents 256   # issue 54's rows
 
 Both arms clip with the shipped ghost engine (:class:`dplit.privacy.clipping.ghost.GhostEngine`) on the same
 documents, one logical batch, cut into micro-batches of ``--micro`` rows: padded, one document per row padded to the
@@ -13,7 +12,9 @@ decreasing into rows of ``--row`` tokens (:func:`dplit.data.packing.pack_documen
 times the packed batch's non-private step (forward and backward of the summed loss). Two length mixes: ``sst2``
 (real SST-2 train sentences, GPT-2 tokenizer, from ``$DPLIT_DATA_DIR``) and ``lognormal`` (16 to ``--row`` tokens,
 median 128). Tokens/s counts real tokens; the table gives packed/padded and DP/non-private ratios side by side.
-Results: ``--out``/results.json and table.md (default bench/results/packing/).
+Every ``--model`` is measured at every ``--row`` length; results.json and table.md are rewritten after each row of the
+table, so a run stopped by a time budget keeps what it measured. Results: ``--out``/results.json and table.md
+(default bench/results/packing/).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from dplit.tasks.language_model import CausalLanguageModel
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The benchmark's arguments."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
-    parser.add_argument("--row", type=int, default=128, help="row length (data.max_length)")
+    parser.add_argument("--model", nargs="+", default=["tiny"], choices=sorted(MODELS), help="model shapes")
+    parser.add_argument("--row", nargs="+", type=int, default=[128], help="row lengths (data.max_length)")
     parser.add_argument("--documents", type=int, default=64, help="documents in the logical batch")
     parser.add_argument("--micro", type=int, default=16, help="rows per micro-batch (max_physical_batch_size)")
     parser.add_argument("--mixes", nargs="+", default=["sst2", "lognormal"], choices=["sst2", "lognormal"])
@@ -113,20 +114,24 @@ def plain_step(model: CausalLanguageModel, batch: dict[str, torch.Tensor], micro
     return step
 
 
-def measure(args: argparse.Namespace, mix: str) -> dict[str, Any]:
-    """Tokens/s of the padded and packed DP steps and of the packed non-private step on one mix."""
+def measure(args: argparse.Namespace, name: str, length: int, mix: str) -> dict[str, Any]:
+    """Tokens/s of the padded and packed DP steps and of the packed non-private step on one mix.
+
+    The model is ``name``'s shape, the rows ``length`` tokens long.
+    """
     device = torch.device(args.device)
     torch.manual_seed(0)
-    config = {**MODELS[args.model], "max_position_embeddings": args.row, "n_positions": args.row}
-    model = CausalLanguageModel(config=config, vocab_size=VOCAB_SIZES[family(args.model)], attn_implementation="sdpa")
+    limit = "n_positions" if family(name) == "gpt2" else "max_position_embeddings"  # each family's own key
+    config = {**MODELS[name], limit: length}
+    model = CausalLanguageModel(config=config, vocab_size=VOCAB_SIZES[family(name)], attn_implementation="sdpa")
     model = model.to(device).train()
-    lengths = document_lengths(mix, args.documents, args.row)
-    docs = documents(lengths, VOCAB_SIZES[family(args.model)])
+    lengths = document_lengths(mix, args.documents, length)
+    docs = documents(lengths, VOCAB_SIZES[family(name)])
     padded = {k: v.to(device) for k, v in TextCollator(pad_token_id=0)(docs).items()}  # type: ignore[arg-type]
-    packed_rows = pack_documents(docs, max_length=args.row, pad_token_id=0)
+    packed_rows = pack_documents(docs, max_length=length, pad_token_id=0)
     packed = {k: v.to(device) for k, v in packed_rows.batch.items()}
     tokens = sum(lengths)
-    row: dict[str, Any] = {"mix": mix, "documents": len(docs), "tokens": tokens, "row": args.row}
+    row: dict[str, Any] = {"model": name, "mix": mix, "documents": len(docs), "tokens": tokens, "row": length}
     for name, step in {
         "padded_dp": dp_step(model, padded, args.micro),
         "packed_dp": dp_step(model, packed, args.micro),
@@ -138,7 +143,7 @@ def measure(args: argparse.Namespace, mix: str) -> dict[str, Any]:
         row[f"{name}_tokens_per_s"] = tokens / seconds
         if device.type == "cuda":
             row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    row["padded_rows"], row["packed_rows"] = padded["input_ids"].shape[0], packed_rows.capacity // args.row
+    row["padded_rows"], row["packed_rows"] = padded["input_ids"].shape[0], packed_rows.capacity // length
     row["packed_fill"] = packed_rows.fill
     row["packed_over_padded"] = row["packed_dp_tokens_per_s"] / row["padded_dp_tokens_per_s"]
     row["dp_over_non_private"] = row["packed_non_private_tokens_per_s"] / row["packed_dp_tokens_per_s"]
@@ -148,16 +153,16 @@ def measure(args: argparse.Namespace, mix: str) -> dict[str, Any]:
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """The markdown table of ``rows``."""
     lines = [
-        f"Packed vs padded DP-SGD (ghost), model {args.model}, row {args.row}, {args.documents} documents, "
-        f"micro-batches of {args.micro} rows, {args.device}; tokens/s of real tokens, best of {args.repeats}.",
+        f"Packed vs padded DP-SGD (ghost), {args.documents} documents, micro-batches of {args.micro} rows, "
+        f"{args.device}; tokens/s of real tokens, best of {args.repeats}.",
         "",
-        "| mix | tokens | padded DP tok/s | packed DP tok/s | packed / padded | packed non-private tok/s "
+        "| model | row | mix | tokens | padded DP tok/s | packed DP tok/s | packed / padded | packed non-private tok/s "
         "| DP step / non-private step | packed fill |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['mix']} | {r['tokens']} | {r['padded_dp_tokens_per_s']:.0f} | {r['packed_dp_tokens_per_s']:.0f} "
+            f"| {r['model']} | {r['row']} | {r['mix']} | {r['tokens']} | {r['padded_dp_tokens_per_s']:.0f} | {r['packed_dp_tokens_per_s']:.0f} "
             f"| {r['packed_over_padded']:.2f}× | {r['packed_non_private_tokens_per_s']:.0f} "
             f"| {r['dp_over_non_private']:.2f}× | {r['packed_fill']:.1%} |"
         )
@@ -167,12 +172,17 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Measure every mix and write results.json and table.md."""
     args = parse_args(argv)
-    rows = [measure(args, mix) for mix in args.mixes]
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) for k, v in vars(args).items()}
-    record = {"settings": settings, "machine": machine_info(device=args.device), "rows": rows}
-    (args.out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out / "table.md").write_text(table(rows, args))
+    machine = machine_info(device=args.device)
+    rows: list[dict[str, Any]] = []
+    for name in args.model:
+        for length in args.row:
+            for mix in args.mixes:
+                rows.append(measure(args, name, length, mix))
+                record = {"settings": settings, "machine": machine, "rows": rows}
+                (args.out / "results.json").write_text(json.dumps(record, indent=2) + "\n")  # what is measured so far
+                (args.out / "table.md").write_text(table(rows, args))
     print(table(rows, args))
 
 

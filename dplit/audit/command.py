@@ -23,6 +23,7 @@ from dplit.audit.claimed_curve import claimed_least_probability, epsilon_at_leas
 from dplit.audit.fdp import GdpBound, dpsgd_mu, gdp_bound, refutes
 from dplit.audit.simulation import GuessPlan, plan_guesses
 from dplit.audit.strategy import CanaryDPStrategy
+from dplit.backbone.isolation import isolation_refusal
 from dplit.flag_types import OpenUnitNumber, check, number_type
 from dplit.strategy import DPStrategy
 
@@ -175,6 +176,7 @@ def run_audit(
             sample_rate=claim.sample_rate, noise_multiplier=claim.gradient_noise_multiplier,
         )  # fmt: skip
     else:
+        _check_isolation(model, data)
         inputs = _input_canaries(data, settings, lm=lm)
         trainer.fit(model, train_dataloaders=_with_canaries(data, inputs), val_dataloaders=data.val_dataloader())
         claim = ClaimedMechanism.of(strategy)
@@ -299,11 +301,24 @@ def _input_canaries(data: Any, settings: AuditSettings, *, lm: bool) -> InputCan
 
 
 def _with_canaries(data: Any, canaries: InputCanaries) -> DataLoader:
-    """The training rows plus the included canaries, batched as the datamodule batches (DPStrategy Poisson-samples)."""
+    """The training rows plus the included canaries, batched as the datamodule batches its training rows.
+
+    DPStrategy Poisson-samples the rows; with ``data.packing=true`` each sampled batch (canaries included, each its
+    own document) is packed as the fit packs it (the datamodule's ``train_collate_fn``).
+    """
     data.prepare_data()
     data.setup("fit")
     rows = ConcatDataset([data.dataset("train"), canaries.training_set()])
-    return DataLoader(rows, batch_size=data.batch_size, shuffle=True, collate_fn=data.collate_fn)
+    collate = getattr(data, "train_collate_fn", data.collate_fn)
+    return DataLoader(rows, batch_size=data.batch_size, shuffle=True, collate_fn=collate)
+
+
+def _check_isolation(model: LightningModule, data: Any) -> None:
+    """Refuse packing with a model that cannot isolate documents (the fit on loaders skips the module's own check)."""
+    packing = bool(getattr(data, "hparams", {}).get("packing"))
+    refusal = isolation_refusal(model.backbone) if packing and hasattr(model, "backbone") else None
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def _report(

@@ -46,7 +46,7 @@ class CausalLanguageModel(CausalLMModule):
             :class:`~dplit.tasks.base.CausalLMModule` (``pretrained``, ``config``, ``lr``, ...).
     """
 
-    SHARDED_ENTRY_POINTS = ("generate_text",)
+    SHARDED_ENTRY_POINTS = ("generate_text", "packed_logits")
 
     def __init__(
         self,

@@ -23,11 +23,13 @@ from dplit.privacy.clipping.ghost import GhostEngine
 from dplit.release.export import export_checkpoint
 from dplit.release.guarantee import GUARANTEE_FILE
 from dplit.tasks.classifier import CausalLMClassifier
+from dplit.tasks.language_model import CausalLanguageModel
 from tests.helpers.brute_force import clipped_sum, gradient_norms, per_example_gradients
 from tests.helpers.commands import CONFIGS, checkpoint_of, glue_args, steps
 from tests.helpers.executable import refusal_line, run_dplit_in_process
 from tests.helpers.families import SMALL
 from tests.helpers.oracles import assert_close, padded_batch, run
+from tests.privacy.clipping.test_packed_units import MIXES, check_packed, documents
 
 VOCAB = 64
 NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
@@ -86,6 +88,19 @@ def test_the_adapters_norms_and_clipped_sum_equal_a_loop_over_the_same_quantised
     assert grads.keys() == expected.keys() == trained
     for name, grad in grads.items():
         assert_close(grad, expected[name], rtol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["tied", "untied"])
+def test_packed_documents_on_a_quantised_base_are_clipped_per_document(folders: dict[str, Path], policy: str) -> None:
+    """QLoRA (NF4, float32 on the CPU) on packed rows, one document spanning two rows: the unpacked loop's norms."""
+    torch.manual_seed(1)
+    model = CausalLanguageModel(
+        pretrained=str(folders[policy]), vocab_size=VOCAB, quantization=NF4, attn_implementation="sdpa",
+        embeddings=TiedEmbeddings() if policy == "tied" else UntiedEmbeddings(), sample_prompts=[],
+        peft=LoraConfig(r=4, target_modules=TARGETS, init_lora_weights=False), train_embeddings=policy == "tied",
+    ).train()  # fmt: skip
+    assert any(is_quantized(p) for p in model.parameters())
+    check_packed(model, documents(MIXES["spanning_rows"]), clip=0.05, rtol=(1e-4, 1e-4))  # float32: ~2e-5 seen
 
 
 def _quantised(**settings: Any) -> CausalLMClassifier:

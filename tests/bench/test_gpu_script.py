@@ -47,6 +47,8 @@ def test_without_cuda_every_part_is_skipped_with_the_reason(tmp_path: Path) -> N
         assert part["status"] == "skipped" and part["exit_code"] is None, part
         assert "CUDA is not available" in part["reason"], part
         assert part["command"], part  # what it would have run
+    packing = str(next(part["command"] for part in summary["parts"] if part["name"] == "packing"))
+    assert all(word in packing for word in ("gpt2", "smollm2", "512", "1024")), packing  # issue 54's rows
     machine = summary["machine"]
     assert machine["torch"] and machine["cuda_available"] is False
     table = (tmp_path / "out" / "summary.md").read_text()

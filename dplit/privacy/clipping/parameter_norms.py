@@ -29,7 +29,9 @@ from dplit.privacy.clipping.norms.factors import (
     batch_size,
     concatenate,
     example_slice,
+    example_subset,
     inner_product,
+    live_positions,
     materialised_norm,
     squared_norm,
     sum_dtype,
@@ -93,24 +95,85 @@ def parameter_squared_norm(
     if tied_norm == "bound" and len(uses) > 1:
         parts = [parameter_squared_norm([use], chunk_elements=chunk_elements).sqrt() for use in uses]
         return torch.stack(parts).sum(0).square()
-    size = batch_size(uses[0])
-    width = max(_elements_per_example(use) for use in uses)
     limit = default_chunk_elements(uses[0]) if chunk_elements is None else chunk_elements
-    step = max(1, limit // max(1, width))
-    squared, bound = [], []
-    for start in range(0, size, step):
-        chunk = [example_slice(use, start, start + step) for use in uses]  # float64
-        squared.append(_exact_squared_norm(chunk))
-        bounds = [triangle_bound(use) for use in chunk]
-        bound.append(bounds[0] if len(bounds) == 1 else torch.stack(bounds).sum(0))
+    squared, bound = _computed_squared_norms(uses, chunk_elements=limit)
     norm = rigorous_norm(
-        squared[0] if len(squared) == 1 else torch.cat(squared),  # one chunk (the usual case): no copy
-        bound[0] if len(bound) == 1 else torch.cat(bound),
+        squared,
+        bound,
         terms=max(arithmetic_terms(use) for use in uses),
         positions=sum(summed_positions(use) for use in uses),
         sum_dtype=max((sum_dtype(use) for use in uses), key=unit_roundoff),
     )
     return norm.square()
+
+
+def _computed_squared_norms(uses: Sequence[GradientUse], *, chunk_elements: int) -> tuple[Tensor, Tensor]:
+    """The computed ‖Σ_k G_k‖² [B] and the triangle bound Σ_k Σ_t ‖u_t‖‖v_t‖ [B], in float64, a chunk at a time.
+
+    Examples are grouped by how many of their positions are live (:func:`length_groups`): each group's Grams span
+    its own longest live stretch, not the batch's T (a packed unit's T_u², not the row's T², when units differ in
+    length), exactly, since the positions left out add nothing. The rounding slack is then taken by the caller
+    for the untrimmed T, an upper bound of what each group summed. At most ``chunk_elements`` float64 elements of
+    the factors are copied at a time.
+    """
+    size = batch_size(uses[0])
+    width = max(_elements_per_example(use) for use in uses)
+    step = max(1, chunk_elements // max(1, width))
+    groups = length_groups(uses)
+    if len(groups) == 1 and groups[0][1] == [_positions_of(use) for use in uses]:  # nothing to leave out
+        squared, bound = [], []
+        for start in range(0, size, step):
+            chunk = [example_slice(use, start, start + step) for use in uses]  # float64
+            squared.append(_exact_squared_norm(chunk))
+            bound.append(_triangle_bounds(chunk))
+        if len(squared) == 1:  # one chunk (the usual case): no copy
+            return squared[0], bound[0]
+        return torch.cat(squared), torch.cat(bound)
+    device = _device_of(uses[0])
+    squared_all = torch.zeros(size, dtype=torch.float64, device=device)
+    bound_all = torch.zeros(size, dtype=torch.float64, device=device)
+    for index, positions in groups:
+        for start in range(0, index.numel(), step):
+            part = index[start : start + step]
+            chunk = [example_subset(use, part, kept) for use, kept in zip(uses, positions, strict=True)]
+            squared_all[part] = _exact_squared_norm(chunk)
+            bound_all[part] = _triangle_bounds(chunk)
+    return squared_all, bound_all
+
+
+def length_groups(uses: Sequence[GradientUse]) -> list[tuple[Tensor, list[int]]]:
+    """Examples grouped by their live length (of the longest of ``uses``, to within a factor of two).
+
+    Returns:
+        (examples [b], each use's positions to keep for them), one pair per group, longest group first.
+    """
+    live = torch.stack([live_positions(use) for use in uses])  # [K, B]
+    longest = live.amax(0)  # [B]
+    classes = torch.ceil(torch.log2(longest.clamp(min=1).double())).long()  # [B]: lengths in (2^(k-1), 2^k]
+    groups = []
+    for value in torch.unique(classes, sorted=True).flip(0).tolist():
+        index = (classes == value).nonzero().flatten()
+        kept = [max(int(count), 1) for count in live[:, index].amax(1).tolist()]
+        groups.append((index, kept))
+    return groups
+
+
+def _positions_of(use: GradientUse) -> int:
+    """The positions of a factored use (1 for a materialised one, as :func:`live_positions` counts it)."""
+    return use.positions if isinstance(use, FactoredGradient) else 1
+
+
+def _device_of(use: GradientUse) -> torch.device:
+    if isinstance(use, ExampleGradient):
+        return use.values.device
+    factor = use.left
+    return factor.values.device if isinstance(factor, DenseFactor) else factor.indices.device
+
+
+def _triangle_bounds(chunk: Sequence[GradientUse]) -> Tensor:
+    """Σ_k of each use's triangle bound [b]."""
+    bounds = [triangle_bound(use) for use in chunk]
+    return bounds[0] if len(bounds) == 1 else torch.stack(bounds).sum(0)
 
 
 def materialised_parameter_squared_norm(use: FactoredGradient) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,20 @@ from dplit.data.packing import pack_documents
 from dplit.data.text import TextCollator, TextExample
 from dplit.privacy.clipping import build_engine
 from dplit.privacy.clipping.ghost import GhostEngine
+from dplit.privacy.clipping.norms.factors import (
+    DenseFactor,
+    FactoredGradient,
+    IndexFactor,
+    example_slice,
+    live_positions,
+    squared_norm,
+)
+from dplit.privacy.clipping.parameter_norms import (
+    _computed_squared_norms,
+    _exact_squared_norm,
+    length_groups,
+    parameter_squared_norm,
+)
 from dplit.privacy.clipping.self_check import check_ghost_norms
 from dplit.privacy.clipping.token_units import TOKEN_UNIT_KEY, relaid, token_units_of, unit_token_sums
 from dplit.privacy.clipping.units import UNIT_KEY, placeholder_example
@@ -73,19 +87,27 @@ def in_unit_order(grads: list[dict[str, Tensor]], owners: Tensor, packed: dict[s
 
 
 def check_packed(
-    model: CausalLanguageModel, docs: list[TextExample], clip: float, users: list[int] | None = None
+    model: CausalLanguageModel,
+    docs: list[TextExample],
+    clip: float,
+    users: list[int] | None = None,
+    *,
+    rtol: tuple[float, float] = (1e-9, 1e-9),
 ) -> None:
-    """The packed run's per-unit norms and clipped sum against the brute-force loop on the unpacked documents."""
+    """The packed run's per-unit norms and clipped sum against the brute-force loop on the unpacked documents.
+
+    ``rtol``: of the norms and of the clipped sum (float64: 1e-9 both).
+    """
     packed = pack_documents(docs, max_length=ROW, pad_token_id=0, users=users).batch
     plain, owners = unpacked(docs, users)
     expected_units = in_unit_order(per_unit_gradients(model, model.per_example_loss, plain, owners), owners, packed)
     stats, grads = run(build_engine("ghost", model, max_grad_norm=clip), model, model.per_example_loss, packed)
     assert stats.norms.shape == (len(expected_units),)
-    assert_close(stats.norms, gradient_norms(expected_units), rtol=1e-9)
+    assert_close(stats.norms, gradient_norms(expected_units), rtol=rtol[0])
     expected = clipped_sum(expected_units, clip)
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
-        assert_close(grad, expected[name], rtol=1e-9)
+        assert_close(grad, expected[name], rtol=rtol[1])
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -200,3 +222,33 @@ def test_a_placeholder_pass_of_a_packed_batch_adds_zero() -> None:
         placeholder_example(packed),
     )
     assert stats.norms.shape == (1,) and all(bool((grad == 0).all()) for grad in grads.values())
+
+
+def test_the_grams_of_units_of_different_lengths_span_each_groups_own_positions() -> None:
+    """Units of 1 to 29 live positions in slots of 29: grouped by length, each group's Grams cut to its own longest.
+
+    The grouped norms equal the norms of the whole slots (the positions left out hold zero vectors), and a position
+    zeroed in the middle of a unit (a masked token) is not mistaken for the unit's end.
+    """
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([29, 1, 3, 16, 2, 9, 5, 17, 28, 4])
+    live = torch.arange(29)[None, :] < lengths[:, None]  # [U, L]
+    left = torch.randn(10, 29, 6, generator=generator, dtype=torch.float64) * live[..., None]
+    right = torch.randn(10, 29, 5, generator=generator, dtype=torch.float64) * live[..., None]
+    right[3, 7] = 0.0  # a zero output gradient inside unit 3
+    indices = torch.randint(0, 6, (10, 29), generator=generator)
+    uses = [
+        FactoredGradient(DenseFactor(left), DenseFactor(right)),
+        FactoredGradient(IndexFactor(indices, 6), DenseFactor(right)),  # an embedding-like second use
+    ]
+    groups = length_groups(uses)
+    assert [int(x) for x in live_positions(uses[0])] == lengths.tolist()
+    assert sorted(i for index, _ in groups for i in index.tolist()) == list(range(10)) and len(groups) == 6
+    for index, kept in groups:
+        assert kept[0] == int(lengths[index].max()) and kept[0] < 2 * int(lengths[index].min()) + 1
+    whole = _exact_squared_norm([example_slice(use, 0, 10) for use in uses])  # every slot, the same float64 sums
+    assert_close(_computed_squared_norms(uses)[0], whole, rtol=1e-12)  # the same sums, less the zero terms
+    assert bool((parameter_squared_norm(uses) >= whole).all())  # with the rounding slack of the untrimmed T
+    assert_close(parameter_squared_norm(uses), whole, rtol=1e-9)
+    for use in uses:
+        assert_close(_computed_squared_norms([use])[0], squared_norm(example_slice(use, 0, 10)), rtol=1e-12)

@@ -241,6 +241,42 @@ def example_slice(use: GradientUse, start: int, stop: int) -> GradientUse:
     return FactoredGradient(part(use.left), part(use.right))
 
 
+def live_positions(use: GradientUse) -> Tensor:
+    """Per example, one past the last position whose term u_t v_tᵀ can be nonzero [B] (0: none; 1 if materialised).
+
+    A position whose left or right vector is exactly zero (a packed unit's slots after its tokens, a padded
+    position's zero output gradient) adds nothing to G_i, to its Grams or to a cross term with another use, so the
+    positions after the last live one can be left out of every product exactly.
+    """
+    if isinstance(use, ExampleGradient):
+        return torch.ones(use.values.shape[0], dtype=torch.long, device=use.values.device)
+    live = None
+    for factor in (use.left, use.right):
+        if isinstance(factor, DenseFactor):
+            nonzero = (factor.values != 0).any(-1)  # [B, T]
+            live = nonzero if live is None else live & nonzero
+    if live is None:  # two index factors: every position's term is a one-hot product
+        return torch.full((batch_size(use),), use.positions, dtype=torch.long, device=use.left.indices.device)
+    steps = torch.arange(1, live.shape[1] + 1, device=live.device)  # [T]
+    return (live * steps).amax(1)  # [B]: the last live position + 1
+
+
+def example_subset(use: GradientUse, index: Tensor, positions: int) -> GradientUse:
+    """The use restricted to examples ``index`` [b] and to its first ``positions`` positions, dense values in float64.
+
+    Exact when no example of ``index`` has a live position at or after ``positions`` (:func:`live_positions`).
+    """
+
+    def part(factor: Factor) -> Factor:
+        if isinstance(factor, DenseFactor):
+            return DenseFactor(factor.values[index, :positions].double())  # [b, P, n]
+        return IndexFactor(factor.indices[index, :positions], factor.width)  # [b, P]
+
+    if isinstance(use, ExampleGradient):
+        return ExampleGradient(use.values[index].double())
+    return FactoredGradient(part(use.left), part(use.right))
+
+
 def without_examples(use: GradientUse, keep: Tensor) -> GradientUse:
     """The use with every example where ``keep`` [B] is False set to zero (NaN and inf included)."""
 
