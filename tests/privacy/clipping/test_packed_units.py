@@ -26,6 +26,7 @@ from dplit.privacy.clipping.norms.factors import (
     squared_norm,
 )
 from dplit.privacy.clipping.parameter_norms import (
+    CHUNK_ELEMENTS,
     _computed_squared_norms,
     _exact_squared_norm,
     length_groups,
@@ -247,8 +248,13 @@ def test_the_grams_of_units_of_different_lengths_span_each_groups_own_positions(
     for index, kept in groups:
         assert kept[0] == int(lengths[index].max()) and kept[0] < 2 * int(lengths[index].min()) + 1
     whole = _exact_squared_norm([example_slice(use, 0, 10) for use in uses])  # every slot, the same float64 sums
-    assert_close(_computed_squared_norms(uses)[0], whole, rtol=1e-12)  # the same sums, less the zero terms
+    for chunk in (CHUNK_ELEMENTS, 400):  # one copy, or a few examples a copy (as on a CPU)
+        assert_close(_computed_squared_norms(uses, chunk_elements=chunk)[0], whole, rtol=1e-12)  # less the zero terms
     assert bool((parameter_squared_norm(uses) >= whole).all())  # with the rounding slack of the untrimmed T
     assert_close(parameter_squared_norm(uses), whole, rtol=1e-9)
     for use in uses:
-        assert_close(_computed_squared_norms([use])[0], squared_norm(example_slice(use, 0, 10)), rtol=1e-12)
+        assert_close(
+            _computed_squared_norms([use], chunk_elements=CHUNK_ELEMENTS)[0],
+            squared_norm(example_slice(use, 0, 10)),
+            rtol=1e-12,
+        )
