@@ -91,19 +91,20 @@ def glue_args(config: Path, tmp_path: Path, tokenizer_dir: Path) -> list[str]:
 
 def lm_args(run: Path, *extra: str) -> list[str]:
     """``dplit lm fit`` arguments for the LM quickstart config in ``run``, plus ``extra``."""
-    return [
-        "--config", str(CONFIGS / "lm_quickstart.yaml"), "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", "200", "--data.builtin_val_size", "20",
-        "--data.batch_size", "20", *extra,
-    ]  # fmt: skip
+    return _small_builtin_run("lm_quickstart.yaml", run, train_size=200, extra=extra)
 
 
 def dpo_args(run: Path, *extra: str) -> list[str]:
     """``dplit dpo fit`` arguments for the DPO quickstart config in ``run`` (a small built-in set), plus ``extra``."""
+    return _small_builtin_run("dpo_quickstart.yaml", run, train_size=100, extra=extra)
+
+
+def _small_builtin_run(config: str, run: Path, *, train_size: int, extra: tuple[str, ...]) -> list[str]:
+    """A shipped config's run in ``run`` on a small built-in set (20 validation items, 20 a batch), plus ``extra``."""
     return [
-        "--config", str(CONFIGS / "dpo_quickstart.yaml"), "--trainer.default_root_dir", str(run),
-        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", "100", "--data.builtin_val_size", "20",
-        "--data.batch_size", "20", *extra,
+        "--config", str(CONFIGS / config), "--trainer.default_root_dir", str(run),
+        "--trainer.enable_progress_bar", "false", "--data.builtin_train_size", str(train_size),
+        "--data.builtin_val_size", "20", "--data.batch_size", "20", *extra,
     ]  # fmt: skip
 
 
